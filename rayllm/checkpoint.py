@@ -1,0 +1,44 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a folder of DCP shards (model and optimizer, resharded on load to
+whatever world size loads them) plus ``train_state.json``: the step, the data position
+and the last metrics, written by rank 0. Where the folder lives (Ray Train storage or a
+run dir under torchrun) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+STATE_FILE = "train_state.json"
+
+
+def save(directory: str, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], rank: int) -> None:
+    """Collective: every rank writes its shards into ``directory`` (which may differ per rank)."""
+    os.makedirs(directory, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    if rank == 0:
+        with open(os.path.join(directory, STATE_FILE), "w") as f:
+            json.dump(state, f)
+
+
+def load(directory: str, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """Collective: restore model and optimizer from ``directory`` and return the train state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state_dict = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state_dict, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    return read_state(directory)
+
+
+def read_state(directory: str) -> dict[str, Any]:
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        return json.load(f)

@@ -1,0 +1,51 @@
+"""``rayllm``: a thin layer over the Python API; it does nothing the API cannot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rayllm.errors import RayllmError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayllm", description="Elastic, fault-tolerant LLM training on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model as a config says")
+    train.add_argument("config", help="YAML config, for example configs/tiny.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, for example train.max_steps=50 run.dir=/tmp/r")
+    train.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    show = sub.add_parser("config", help="print the resolved config")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rayllm.config import TrainConfig
+
+    try:
+        config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
+        if args.command == "config":
+            print(config.to_yaml(), end="")
+            return 0
+        from rayllm.train.launch import format_summary, train
+
+        result = train(config, quiet=args.quiet)
+        if args.quiet:
+            print(format_summary(result))
+        return 0
+    except RayllmError as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "rayllm: interrupted; the latest checkpoint in run.dir is kept and the next run resumes from it",
+            file=sys.stderr,
+        )
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,357 @@
+"""One typed config tree for a run: the only place defaults live.
+
+A YAML file gives the tree, dotted overrides (``train.max_steps=50``) patch it, and
+validation rejects unknown keys (naming the nearest valid key) and wrong types before
+any worker starts. The resolved tree is what a run records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import yaml
+
+from rayllm.errors import ConfigError
+
+
+@dataclass
+class RunSettings:
+    """Where a run lives: ``dir`` (local path or s3:// URI) holds checkpoints and files."""
+
+    name: str = "tiny"
+    dir: str = "runs/tiny"
+
+
+@dataclass
+class StorageSettings:
+    """Object-store access for s3:// paths; unset values fall back to the AWS defaults."""
+
+    endpoint_url: str | None = None
+    key: str | None = None
+    secret: str | None = None
+    region: str | None = None
+    anon: bool = False
+
+
+@dataclass
+class DataSettings:
+    """Shards to read and how they become packed token sequences."""
+
+    train: str | list[str] = "data/demo/train"
+    val: str | list[str] | None = "data/demo/val"
+    seq_len: int = 256
+    text_field: str = "text"
+    # A tokenizer.json to load; when unset, a byte-level BPE is trained on a sample.
+    tokenizer: str | None = None
+    tokenizer_sample_docs: int = 4000
+    # Prepare the bundled demo corpus when `train` points at the missing demo folder.
+    demo_corpus: bool = True
+    # Tokenizer actors in the Ray Data pipeline.
+    tokenize_actors: int = 1
+    storage: StorageSettings = field(default_factory=StorageSettings)
+
+
+@dataclass
+class ModelSettings:
+    """Llama-style decoder shape."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 4096
+    ffn_hidden: int | None = None  # default: 8/3 * dim rounded up to ffn_multiple_of
+    ffn_multiple_of: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+
+
+@dataclass
+class TrainingSettings:
+    """Optimisation: the global batch is sequences per optimizer step, whatever the world size."""
+
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    max_steps: int = 300
+    # End this invocation at this step (with a checkpoint) without changing the schedule;
+    # running again continues to max_steps.
+    stop_at_step: int | None = None
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    val_every: int = 100
+    val_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    # "auto": bf16 compute on GPU, fp32 on CPU.
+    precision: str = "auto"
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class ClusterSettings:
+    """Ray cluster use: ``num_workers`` is an int, or ``[min, max]`` for elastic."""
+
+    num_workers: int | list[int] = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    max_failures: int = 0
+    # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
+    address: str | None = None
+
+
+@dataclass
+class TrackingSettings:
+    """Aim tracking: ``repo`` defaults to ``<run.dir>/aim`` (or ./.aim for remote run dirs)."""
+
+    enabled: bool = True
+    repo: str | None = None
+    experiment: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    """The whole run."""
+
+    run: RunSettings = field(default_factory=RunSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    train: TrainingSettings = field(default_factory=TrainingSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+        """Load a YAML file and apply dotted ``key=value`` overrides."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(
+                f"config file not found: {path!r}. Pass the path of a YAML file, for example configs/tiny.yaml."
+            )
+        with open(path) as f:
+            try:
+                raw = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(raw).__name__}")
+        return cls.from_dict(raw, overrides)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> TrainConfig:
+        raw = _deepcopy(raw)
+        for item in overrides or []:
+            _apply_override(raw, item)
+        config = _build(cls, raw, prefix="")
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, overrides: list[str]) -> TrainConfig:
+        return TrainConfig.from_dict(self.to_dict(), overrides)
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        n = self.cluster.num_workers
+        return (n, n) if isinstance(n, int) else (n[0], n[1])
+
+    def validate(self) -> None:
+        """Cross-field checks that types alone cannot express."""
+        m, t, c = self.model, self.train, self.cluster
+        _positive(
+            self,
+            [
+                "data.seq_len",
+                "model.dim",
+                "model.n_layers",
+                "model.n_heads",
+                "model.n_kv_heads",
+                "model.vocab_size",
+                "train.global_batch_size",
+                "train.micro_batch_size",
+                "train.max_steps",
+                "train.log_every",
+                "train.val_every",
+                "train.checkpoint_every",
+                "train.keep_checkpoints",
+                "data.tokenize_actors",
+            ],
+        )
+        if m.dim % m.n_heads:
+            raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
+        if (m.dim // m.n_heads) % 2:
+            raise ConfigError("model.dim / model.n_heads must be even for rotary embeddings")
+        if m.n_heads % m.n_kv_heads:
+            raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
+        if t.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if t.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"train.precision must be one of auto, fp32, bf16; got {t.precision!r}")
+        if isinstance(c.num_workers, list):
+            if len(c.num_workers) != 2 or not 1 <= c.num_workers[0] <= c.num_workers[1]:
+                raise ConfigError(
+                    f"cluster.num_workers as a list must be [min, max] with 1 <= min <= max, got {c.num_workers}"
+                )
+        elif c.num_workers < 1:
+            raise ConfigError(f"cluster.num_workers must be >= 1, got {c.num_workers}")
+        lo, hi = self.worker_range
+        for n in {lo, hi}:
+            check_batch_split(t.global_batch_size, t.micro_batch_size, n)
+
+
+def check_batch_split(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Gradient-accumulation steps that keep ``global_batch`` fixed on ``world_size`` ranks."""
+    per_step = micro_batch * world_size
+    if global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({global_batch}) must be divisible by train.micro_batch_size "
+            f"({micro_batch}) x workers ({world_size}); pick a global batch that is a multiple of {per_step} "
+            f"or a smaller micro batch"
+        )
+    return global_batch // per_step
+
+
+def _positive(config: TrainConfig, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _deepcopy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deepcopy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deepcopy(v) for v in value]
+    return value
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value, for example train.max_steps=50")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node: Any = raw
+    parts = key.split(".")
+    cls: Any = TrainConfig
+    for i, part in enumerate(parts[:-1]):
+        hints = _fields(cls)
+        if part not in hints:
+            raise ConfigError(_unknown_key_message(".".join(parts[: i + 1]), part, hints))
+        cls = _dataclass_of(hints[part])
+        if cls is None:
+            raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section in the file")
+    node[parts[-1]] = value
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _unknown_key_message(full_key: str, name: str, valid: dict[str, Any]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    prefix = full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return f"unknown config key '{full_key}'{hint} Valid keys here: {', '.join(sorted(valid))}"
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {raw!r}")
+    hints = _fields(cls)
+    for key in raw:
+        if key not in hints:
+            raise ConfigError(_unknown_key_message(prefix + str(key), str(key), hints))
+    kwargs = {}
+    for name, tp in hints.items():
+        if name not in raw:
+            continue
+        full = prefix + name
+        sub = _dataclass_of(tp)
+        kwargs[name] = _build(sub, raw[name], full + ".") if sub else _coerce(raw[name], tp, full)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))

@@ -1,0 +1,179 @@
+"""The token stream: shards -> documents -> tokens -> packed sequences, in one global order.
+
+The order is fixed by the seed alone: each epoch visits the shards in a seeded
+permutation, and each shard packs its documents into consecutive sequences. Every
+sequence therefore has a stable id (epoch, shard, index) and a global position that do
+not depend on the number of workers. Ray Data executes the stream (an actor pool of
+tokenizers, ``preserve_order`` on); without Ray the same functions run in-process, so
+torchrun and Ray see identical data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayllm.config import StorageSettings
+from rayllm.data import tokenizer as tok
+from rayllm.data.packing import pack
+from rayllm.data.shards import iter_documents
+from rayllm.errors import DataError
+
+ENCODE_GROUP = 64  # documents per encode_batch call: enough to use tokenizers' threads
+
+
+@dataclass
+class StreamPlan:
+    """All a worker or a Ray Data actor needs to rebuild the stream; small and picklable."""
+
+    shards: list[str]
+    text_field: str
+    storage: StorageSettings
+    tokenizer_json: str
+    seq_len: int
+    seed: int
+    epochs: int
+    shuffle: bool = True
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    if not shuffle:
+        return list(range(num_shards))
+    return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(num_shards)]
+
+
+def work_items(plan: StreamPlan) -> list[dict[str, int]]:
+    """One item per (epoch, shard), in stream order."""
+    return [
+        {"epoch": epoch, "shard": shard}
+        for epoch in range(plan.epochs)
+        for shard in shard_order(len(plan.shards), plan.seed, epoch, plan.shuffle)
+    ]
+
+
+class ShardPacker:
+    """Tokenizes and packs one shard at a time; a Ray Data ``map_batches`` callable class."""
+
+    def __init__(self, plan: StreamPlan):
+        self.plan = plan
+        self.tokenizer = tok.load(plan.tokenizer_json, "of this run")
+        self.eos = tok.eos_id(self.tokenizer)
+
+    def sequences(self, epoch: int, shard: int) -> Iterator[dict[str, np.ndarray]]:
+        uri = self.plan.shards[shard]
+        docs = iter_documents(uri, self.plan.text_field, self.plan.storage)
+        token_lists = (
+            ids
+            for group in _batched(docs, ENCODE_GROUP)
+            for ids in (e.ids for e in self.tokenizer.encode_batch(group, add_special_tokens=False))
+        )
+        start = 0
+        for tokens in pack(token_lists, self.eos, self.plan.seq_len + 1):
+            n = len(tokens)
+            yield {
+                "tokens": tokens,
+                "epoch": np.full(n, epoch, dtype=np.int32),
+                "shard": np.full(n, shard, dtype=np.int32),
+                "index": np.arange(start, start + n, dtype=np.int64),
+            }
+            start += n
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        for epoch, shard in zip(batch["epoch"], batch["shard"], strict=True):
+            yield from self.sequences(int(epoch), int(shard))
+
+
+def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while group := list(itertools.islice(it, n)):
+        yield group
+
+
+def local_stream(plan: StreamPlan) -> Iterator[np.ndarray]:
+    """The stream without Ray: chunks of packed token rows (n, seq_len + 1)."""
+    packer = ShardPacker(plan)
+    for item in work_items(plan):
+        for chunk in packer.sequences(item["epoch"], item["shard"]):
+            yield chunk["tokens"]
+
+
+def ray_dataset(plan: StreamPlan, actors: int, cpus_per_actor: float = 0.5):
+    """The stream as a Ray Dataset (lazy, streaming; order preserved by the ingest options)."""
+    import ray.data
+
+    items = work_items(plan)
+    ds = ray.data.from_items(items, override_num_blocks=len(items))
+    return ds.map_batches(
+        ShardPacker,
+        fn_constructor_args=(plan,),
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=actors),
+        num_cpus=cpus_per_actor,
+    )
+
+
+def ray_chunks(iterator) -> Callable[[], Iterator[np.ndarray]]:
+    """Adapt a Ray Train dataset shard (a DataIterator) to the chunk stream."""
+
+    def chunks() -> Iterator[np.ndarray]:
+        for batch in iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=4):
+            yield batch["tokens"]
+
+    return chunks
+
+
+def rank_batches(
+    source: Callable[[], Iterator[np.ndarray]],
+    *,
+    start: int,
+    global_batch: int,
+    rank: int,
+    world_size: int,
+    repeat: bool,
+) -> Iterator[np.ndarray]:
+    """This rank's share (global_batch / world_size rows) of each global batch.
+
+    Global batch s holds stream positions [s * G, (s + 1) * G); rank r takes the r-th
+    contiguous slice of it. The first ``start`` positions (already consumed before a
+    restart) are skipped, so a resumed run continues with the next unseen sequence.
+    """
+    per_rank = global_batch // world_size
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    position = 0
+    mine: list[np.ndarray] = []
+    have = 0
+    while True:
+        produced = 0
+        for chunk in source():
+            produced += len(chunk)
+            n = len(chunk)
+            offsets = np.arange(position, position + n)
+            position += n
+            keep = offsets >= start
+            within = (offsets - start) % global_batch
+            keep &= (within >= lo) & (within < hi)
+            if keep.any():
+                mine.append(chunk[keep])
+                have += int(keep.sum())
+            while have >= per_rank:
+                rows = np.concatenate(mine)
+                yield rows[:per_rank]
+                rest = rows[per_rank:]
+                mine, have = ([rest] if len(rest) else []), len(rest)
+        if produced == 0:
+            raise DataError(
+                "the dataset produced no sequences: its documents hold fewer than data.seq_len + 1 "
+                "tokens in every shard. Add data or lower data.seq_len"
+            )
+        if not repeat:
+            return
+
+
+def epochs_needed(max_steps: int, global_batch: int, sample_sequences_per_shard: float, num_shards: int) -> int:
+    """Epochs to list so the stream outlasts training (estimated from the tokenizer sample)."""
+    per_epoch = max(1.0, sample_sequences_per_shard * num_shards)
+    return max(1, math.ceil(max_steps * global_batch / per_epoch) + 1)

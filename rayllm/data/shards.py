@@ -1,0 +1,74 @@
+"""Read the documents of one shard (jsonl, jsonl.gz/.zst, parquet, txt) through fsspec."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from rayllm.config import StorageSettings
+from rayllm.errors import DataError
+from rayllm.storage import filesystem
+
+
+def iter_documents(uri: str, text_field: str, storage: StorageSettings) -> Iterator[str]:
+    """Yield each document's text; raise DataError naming the shard when it cannot be read."""
+    fs, path = filesystem(uri, storage)
+    name = path.lower()
+    try:
+        if name.endswith(".parquet"):
+            yield from _parquet_documents(fs, path, uri, text_field)
+        elif name.endswith(".txt"):
+            with fs.open(path, "rb") as f:
+                yield _decode(f.read(), uri)
+        else:
+            yield from _jsonl_documents(fs, path, uri, text_field)
+    except DataError:
+        raise
+    except FileNotFoundError:
+        raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
+    except PermissionError as e:
+        raise DataError(f"shard {uri} cannot be read: access denied ({e}); check data.storage credentials") from None
+    except Exception as e:  # pyarrow, gzip, zstd and fsspec errors have no common base
+        raise DataError(f"shard {uri} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
+
+
+def _decode(raw: bytes, uri: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"shard {uri} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
+
+
+def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
+    with fs.open(path, "rb", compression="infer") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(_decode(raw, uri))
+            except json.JSONDecodeError as e:
+                raise DataError(f"shard {uri} line {lineno} is not valid JSON ({e.msg}); fix or remove it") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise DataError(
+                    f"shard {uri} line {lineno} has no {text_field!r} field; set data.text_field to the "
+                    f"field that holds the text"
+                )
+            text = record[text_field]
+            if isinstance(text, str) and text:
+                yield text
+
+
+def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(
+                f"shard {uri} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                f"set data.text_field"
+            )
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str) and text:
+                    yield text

@@ -1,0 +1,114 @@
+"""Paths on local disk or object storage, through fsspec.
+
+One helper turns a path or URI plus the config's storage settings into a filesystem,
+so that s3:// on any S3-compatible endpoint, local paths and other fsspec schemes are
+handled the same way everywhere (data shards, run files, Ray Train storage).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any
+
+import fsspec
+
+from rayllm.config import StorageSettings
+from rayllm.errors import DataError
+
+SHARD_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def storage_options(path: str, storage: StorageSettings) -> dict[str, Any]:
+    """fsspec options for ``path``: only s3 takes the config's credentials and endpoint."""
+    if not path.startswith(("s3://", "s3a://")):
+        return {}
+    options: dict[str, Any] = {}
+    if storage.anon:
+        options["anon"] = True
+    if storage.key:
+        options["key"] = storage.key
+    if storage.secret:
+        options["secret"] = storage.secret
+    if storage.endpoint_url:
+        options["endpoint_url"] = storage.endpoint_url
+    if storage.region:
+        options["client_kwargs"] = {"region_name": storage.region}
+    return options
+
+
+def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem holding ``path`` and the path as that filesystem names it."""
+    if not is_remote(path):
+        return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+    fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
+    return fs, stripped
+
+
+def full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+
+def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) -> list[str]:
+    """Every shard named by a path, glob, folder or list of them, as sorted full URIs."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise DataError(f"{what} names no paths; give a path, glob or folder of shards")
+    shards: list[str] = []
+    for item in specs:
+        fs, path = filesystem(item, storage)
+        try:
+            if any(ch in path for ch in "*?["):
+                found = [p for p in fs.glob(path) if fs.isfile(p)]
+            elif fs.isdir(path):
+                found = [p for p in fs.find(path) if p.endswith(SHARD_SUFFIXES)]
+            elif fs.isfile(path):
+                found = [path]
+            else:
+                found = []
+        except PermissionError as e:
+            raise DataError(f"{what}: access denied to {item!r} ({e}); check data.storage credentials") from None
+        except OSError as e:
+            raise DataError(f"{what}: cannot list {item!r}: {e}") from None
+        if not found:
+            raise DataError(
+                f"{what}: no shards found at {item!r}. Check the path exists and holds files ending in "
+                f"{', '.join(SHARD_SUFFIXES)} (or set data.demo_corpus: true with the default demo paths)"
+            )
+        shards.extend(full_uri(fs, p) for p in sorted(found))
+    return shards
+
+
+def write_text(uri: str, text: str, storage: StorageSettings) -> None:
+    fs, path = filesystem(uri, storage)
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "w") as f:
+        f.write(text)
+
+
+def read_text(uri: str, storage: StorageSettings) -> str | None:
+    """The file's text, or None when it does not exist."""
+    fs, path = filesystem(uri, storage)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "r") as f:
+        return f.read()
+
+
+def join(base: str, *parts: str) -> str:
+    return posixpath.join(base, *parts) if is_remote(base) else os.path.join(base, *parts)
+
+
+def pyarrow_filesystem(uri: str, storage: StorageSettings):
+    """A pyarrow filesystem over fsspec for Ray Train's storage (None for local paths)."""
+    if not is_remote(uri):
+        return None, os.path.abspath(os.path.expanduser(uri))
+    import pyarrow.fs
+
+    fs, path = filesystem(uri, storage)
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), path

@@ -1,0 +1,1 @@
+"""The per-rank loop (torch.distributed) and its Ray Train assembly."""

@@ -1,0 +1,229 @@
+"""The driver: prepare data, connect to Ray, run a TorchTrainer, follow it, summarise.
+
+This is the only code path for training: ``rayllm train``, ``jobs/pretrain.py`` under
+``ray job submit`` and ``rayllm.train(...)`` from a script all come here.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayllm.config import TrainConfig
+from rayllm.data.pipeline import ray_dataset
+from rayllm.data.plan import prepare_data
+from rayllm.errors import RayllmError
+from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
+from rayllm.train.monitor import RunMonitor
+
+
+@dataclass
+class TrainResult:
+    """What a finished run gives back."""
+
+    loss: float | None
+    val_loss: float | None
+    step: int
+    tokens: int
+    tokens_per_s: float | None
+    checkpoint: str | None
+    run_dir: str
+    aim_repo: str | None
+    aim_run_hash: str | None
+    initial_val_loss: float | None = None
+    seconds: float = 0.0
+    seconds_to_first_step: float | None = None
+    history: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        return {"loss": self.loss, "val_loss": self.val_loss, "step": self.step, "tokens": self.tokens}
+
+
+def connect_ray(config: TrainConfig) -> None:
+    """Join RAY_ADDRESS / cluster.address when given, else start a local Ray on 127.0.0.1."""
+    # Keep every Ray process on loopback (see shared NOTES: Ray advertises the external IP otherwise).
+    # Ray reads this when it is imported, so it is set first.
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": {"RAY_TRAIN_V2_ENABLED": "1"}}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return
+    lo, hi = config.worker_range
+    cpus = os.cpu_count() or 1
+    # Training workers reserve their CPUs; Ray Data's tokenizer actors need a little room beside them.
+    num_cpus = max(cpus, hi * config.cluster.cpus_per_worker + 1)
+    ray.init(
+        num_cpus=num_cpus,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=True,  # Ray Train's controller queries the state API it serves
+        dashboard_host="127.0.0.1",
+        runtime_env=runtime_env,
+        logging_level="WARNING",
+    )
+
+
+def _storage(config: TrainConfig) -> tuple[str, str, Any]:
+    """(storage_path, name, filesystem) so that Ray Train's run folder is exactly run.dir."""
+    fs, path = pyarrow_filesystem(config.run.dir, config.data.storage)
+    path = path.rstrip("/")
+    parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
+    return parent or "/", name, fs
+
+
+def _failure_message(error: BaseException) -> str:
+    """The first user-facing rayllm error inside a Ray Train failure, or the error itself."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayllmError):
+            return str(e)
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend([e.__cause__, e.__context__])
+    text = str(error)
+    for marker in ("rayllm.errors.DataError: ", "rayllm.errors.ConfigError: "):
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+    return text
+
+
+def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
+    """Train as ``config`` says and return the final metrics and the latest checkpoint."""
+    started = time.time()
+    log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
+    plans = prepare_data(config, log=log)
+    write_text(join(config.run.dir, "config.yaml"), config.to_yaml(), config.data.storage)
+    connect_ray(config)
+
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    from rayllm.train.ray_worker import train_loop_per_worker
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    datasets = {"train": ray_dataset(plans.train, config.data.tokenize_actors)}
+    if plans.val is not None:
+        datasets["val"] = ray_dataset(plans.val, 1)
+    monitor = RunMonitor(config, quiet=quiet)
+    records: Queue = Queue(actor_options={"num_cpus": 0})
+    storage_path, name, fs = _storage(config)
+    lo, hi = config.worker_range
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": config.to_dict(), "queue": records, "has_val": plans.val is not None},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=lo if lo == hi else (lo, hi),
+            use_gpu=config.cluster.use_gpu,
+            resources_per_worker={
+                "CPU": config.cluster.cpus_per_worker,
+                **({"GPU": 1} if config.cluster.use_gpu else {}),
+            },
+        ),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=storage_path,
+            storage_filesystem=fs,
+            failure_config=ray.train.FailureConfig(max_failures=config.cluster.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+        ),
+        datasets=datasets,
+        dataset_config=ray.train.DataConfig(
+            datasets_to_split=[],  # every rank reads the ordered stream and keeps its slice
+            execution_options=ray.data.ExecutionOptions(preserve_order=True),
+        ),
+    )
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.is_set():
+            try:
+                monitor.handle(records.get(timeout=0.5))
+            except queue_lib.Empty:
+                continue
+            except Exception:
+                if stop.is_set():
+                    return
+                time.sleep(0.5)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    try:
+        result = trainer.fit()
+    except Exception as e:
+        raise RayllmError(f"training failed: {_failure_message(e)}") from e
+    finally:
+        stop.set()
+        follower.join(timeout=5)
+        while True:
+            try:
+                monitor.handle(records.get_nowait())
+            except Exception:
+                break
+        monitor.close()
+        try:
+            records.shutdown()
+        except Exception:
+            pass
+    metrics = dict(result.metrics or {})
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    if checkpoint and is_remote(config.run.dir):
+        checkpoint = f"{config.run.dir.split('://', 1)[0]}://{checkpoint}"
+    summary = TrainResult(
+        loss=metrics.get("loss"),
+        val_loss=metrics.get("val_loss", monitor.val_loss),
+        step=int(metrics.get("step", 0)),
+        tokens=int(metrics.get("tokens", 0)),
+        tokens_per_s=metrics.get("tokens_per_s"),
+        checkpoint=checkpoint,
+        run_dir=config.run.dir,
+        aim_repo=monitor.tracker.repo if monitor.tracker.run_hash else None,
+        aim_run_hash=monitor.tracker.run_hash,
+        initial_val_loss=monitor.initial_val_loss,
+        seconds=time.time() - started,
+        seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
+        history=monitor.history,
+    )
+    if not quiet:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def format_summary(r: TrainResult) -> str:
+    def num(v, fmt):
+        return format(v, fmt) if v is not None else "n/a"
+
+    lines = [
+        "[rayllm] done",
+        f"  step            {r.step}",
+        f"  loss            {num(r.loss, '.4f')}",
+        f"  val loss        {num(r.val_loss, '.4f')}"
+        + (f" (step 0: {r.initial_val_loss:.4f})" if r.initial_val_loss else ""),
+        f"  tokens          {r.tokens:,}",
+        f"  tokens/s        {num(r.tokens_per_s, ',.0f')}",
+        f"  wall time       {r.seconds:.0f} s",
+        f"  checkpoint      {r.checkpoint}",
+        f"  run dir         {r.run_dir}",
+    ]
+    if r.aim_run_hash:
+        lines.append(f"  aim run         {r.aim_run_hash} in {r.aim_repo}  (view: aim up --repo {r.aim_repo})")
+    return "\n".join(lines)

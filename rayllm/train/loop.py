@@ -1,0 +1,275 @@
+"""The per-rank training loop. It knows torch.distributed, never Ray.
+
+Everything environment-specific (where data comes from, where checkpoints go, where
+metrics are sent) comes through a ``Session``, so the same loop runs as a Ray Train
+worker and under plain torchrun.
+
+    restore (DCP, resharded) -> [step-0 validation] -> loop:
+        global batch rows for this rank -> micro-batches: forward/backward (accumulate)
+        -> clip -> lr -> optimizer step -> log / validate / checkpoint
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rayllm import checkpoint
+from rayllm.config import TrainConfig, check_batch_split
+from rayllm.data.pipeline import rank_batches
+from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
+from rayllm.parallel import compute_dtype, parallelize
+from rayllm.train.schedule import lr_at
+
+
+class Session(Protocol):
+    """What the loop needs from its environment."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def train_chunks(self) -> Callable[[], Iterator[np.ndarray]]: ...
+
+    def val_chunks(self) -> Callable[[], Iterator[np.ndarray]] | None: ...
+
+    def restore_dir(self) -> contextlib.AbstractContextManager[str | None]: ...
+
+    def save(self, step: int, metrics: dict[str, Any], write: Callable[[str], None]) -> None: ...
+
+    def emit(self, record: dict[str, Any]) -> None: ...
+
+
+def model_args(config: TrainConfig) -> ModelArgs:
+    m = config.model
+    return ModelArgs(
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        vocab_size=m.vocab_size,
+        ffn_hidden=m.ffn_hidden,
+        ffn_multiple_of=m.ffn_multiple_of,
+        norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta,
+        tie_embeddings=m.tie_embeddings,
+        max_seq_len=config.data.seq_len,
+    )
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; norms and other 1-D weights get no weight decay."""
+    t = config.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+
+
+def _all_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Trainer:
+    """State and steps of one rank."""
+
+    def __init__(self, config: TrainConfig, session: Session):
+        self.config, self.session = config, session
+        t = config.train
+        self.device = session.device
+        self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, session.world_size)
+        self.args = model_args(config)
+        torch.manual_seed(t.seed)  # identical full init on every rank, whatever the world size
+        model = Llama(self.args)
+        self.n_params = num_params(model)
+        self.dtype = compute_dtype(t.precision, self.device)
+        self.model = parallelize(model, dtype=self.dtype, activation_checkpointing=t.activation_checkpointing)
+        self.optimizer = build_optimizer(self.model, config, self.device)
+        self.step = 0
+        self.consumed = 0  # sequences of the global stream already trained on
+        self.last_metrics: dict[str, Any] = {}
+        self.restarts = 0
+        self._val_rows: list[np.ndarray] | None = None
+
+    # -- state ---------------------------------------------------------------------------
+    def restore(self) -> None:
+        with self.session.restore_dir() as directory:
+            if directory is None:
+                return
+            state = checkpoint.load(directory, self.model, self.optimizer)
+        self.step, self.consumed = state["step"], state["consumed"]
+        self.last_metrics = state.get("metrics", {})
+        self.restarts = state.get("restarts", 0) + 1
+
+    def _state(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "consumed": self.consumed,
+            "metrics": metrics,
+            "restarts": self.restarts,
+            "world_size": self.session.world_size,
+        }
+
+    # -- steps ---------------------------------------------------------------------------
+    def _loss(self, rows: torch.Tensor) -> torch.Tensor:
+        inputs, targets = rows[:, :-1], rows[:, 1:]  # (B, T) each
+        logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+    def train_step(self, rows: np.ndarray) -> tuple[float, float]:
+        """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
+        t = self.config.train
+        batch = torch.from_numpy(rows).to(self.device, dtype=torch.long, non_blocking=True)
+        micro = batch.split(t.micro_batch_size)
+        lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for i, rows_i in enumerate(micro):
+            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss = self._loss(rows_i) / len(micro)
+            loss.backward()
+            total += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed += t.global_batch_size
+        return total, float(norm)
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        source = self.session.val_chunks()
+        if source is None:
+            return None
+        t = self.config.train
+        if self._val_rows is None:
+            batches = rank_batches(
+                source,
+                start=0,
+                global_batch=t.global_batch_size,
+                rank=self.session.rank,
+                world_size=self.session.world_size,
+                repeat=False,
+            )
+            self._val_rows = [b for _, b in zip(range(t.val_batches), batches, strict=False)]
+        self.model.eval()
+        total, count = 0.0, 0
+        for rows in self._val_rows:
+            batch = torch.from_numpy(rows).to(self.device, dtype=torch.long)
+            for rows_i in batch.split(t.micro_batch_size):
+                total += self._loss(rows_i).item() * len(rows_i)
+                count += len(rows_i)
+        self.model.train()
+        total, count = _all_sum([total, count], self.device)
+        return total / count if count else None
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        t, session = self.config.train, self.session
+        self.restore()
+        rank0 = session.rank == 0
+        end = min(t.max_steps, t.stop_at_step or t.max_steps)
+        if self.step >= end:
+            if rank0:
+                session.emit({"kind": "done", "step": self.step, **self.last_metrics})
+            session.save(self.step, self.last_metrics, write=None)
+            return self.last_metrics
+        tokens_per_step = t.global_batch_size * self.config.data.seq_len
+        fpt = flops_per_token(self.args, self.config.data.seq_len)
+        if rank0:
+            session.emit(
+                {
+                    "kind": "start",
+                    "step": self.step,
+                    "world_size": session.world_size,
+                    "params": self.n_params,
+                    "flops_per_token": fpt,
+                    "restarts": self.restarts,
+                    "accum_steps": self.accum,
+                }
+            )
+        if self.step == 0:
+            val = self.validate()
+            if rank0 and val is not None:
+                session.emit({"kind": "val", "step": 0, "val_loss": val})
+        batches = rank_batches(
+            session.train_chunks(),
+            start=self.consumed,
+            global_batch=t.global_batch_size,
+            rank=session.rank,
+            world_size=session.world_size,
+            repeat=True,
+        )
+        window_loss, window_steps, window_wait = 0.0, 0, 0.0
+        window_start = time.perf_counter()
+        metrics: dict[str, Any] = dict(self.last_metrics)
+        while self.step < end:
+            wait_start = time.perf_counter()
+            rows = next(batches)
+            window_wait += time.perf_counter() - wait_start
+            loss, grad_norm = self.train_step(rows)
+            window_loss += loss
+            window_steps += 1
+            last = self.step == end
+            if self.step % t.log_every == 0 or last:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - window_start
+                loss_sum, wait_sum = _all_sum([window_loss, window_wait], self.device)
+                tps = tokens_per_step * window_steps / elapsed
+                metrics.update(
+                    {
+                        "step": self.step,
+                        "loss": loss_sum / session.world_size / window_steps,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "grad_norm": grad_norm,
+                        "tokens": self.consumed * self.config.data.seq_len,
+                        "tokens_per_s": tps,
+                        "flops_per_s": tps * fpt,
+                        "step_time_s": elapsed / window_steps,
+                        "data_wait_frac": wait_sum / session.world_size / elapsed,
+                        "peak_memory_bytes": _peak_memory(self.device),
+                        "world_size": session.world_size,
+                        "restarts": self.restarts,
+                    }
+                )
+                if rank0:
+                    session.emit({"kind": "train", **metrics})
+                window_loss, window_steps, window_wait = 0.0, 0, 0.0
+            if self.step % t.val_every == 0 or last:
+                val = self.validate()
+                if val is not None:
+                    metrics["val_loss"] = val
+                    if rank0:
+                        session.emit({"kind": "val", "step": self.step, "val_loss": val})
+            if self.step % t.checkpoint_every == 0 or last:
+                state = self._state(metrics)
+                session.save(
+                    self.step,
+                    metrics,
+                    write=lambda d, s=state: checkpoint.save(d, self.model, self.optimizer, s, session.rank),
+                )
+            if self.step % t.log_every == 0 or last:
+                window_start = time.perf_counter()
+        self.last_metrics = metrics
+        return metrics

@@ -1,0 +1,109 @@
+"""The driver's view of a run: progress lines, Aim, and a JSON-lines metrics log.
+
+Rank 0 emits records (start, train, val, done); the monitor turns each into a line a
+person can follow, Aim metrics, and a line of metrics.jsonl in the run dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from rayllm.config import TrainConfig
+from rayllm.storage import is_remote, join, write_text
+from rayllm.tracking import Tracker
+
+TRAIN_METRICS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "flops_per_s",
+    "step_time_s",
+    "data_wait_frac",
+    "peak_memory_bytes",
+    "world_size",
+    "restarts",
+)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class RunMonitor:
+    def __init__(self, config: TrainConfig, quiet: bool = False, out=None):
+        self.config, self.quiet = config, quiet
+        self.out = out or sys.stdout
+        self.tracker = Tracker(config)
+        self.started = time.time()
+        self.first_step_at: float | None = None
+        self.history: list[dict[str, Any]] = []
+        self.last: dict[str, Any] = {}
+        self.val_loss: float | None = None
+        self.initial_val_loss: float | None = None
+        self._local_log = None
+        if not is_remote(config.run.dir):
+            os.makedirs(config.run.dir, exist_ok=True)
+            self._local_log = open(os.path.join(config.run.dir, "metrics.jsonl"), "a")
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=self.out, flush=True)
+
+    def handle(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": time.time()}
+        kind = record.get("kind")
+        self.history.append(record)
+        if self._local_log:
+            self._local_log.write(json.dumps(record) + "\n")
+            self._local_log.flush()
+        step = int(record.get("step", 0))
+        if kind == "start":
+            self.tracker.log_params(
+                {
+                    "world_size": record["world_size"],
+                    "num_params": record["params"],
+                    "flops_per_token": record["flops_per_token"],
+                }
+            )
+            verb = "resuming at step" if step else "starting at step"
+            self.say(
+                f"[rayllm] {verb} {step} on {record['world_size']} worker(s), "
+                f"{record['params'] / 1e6:.1f}M parameters, {record['accum_steps']} micro-batch(es) per worker "
+                f"per step"
+            )
+        elif kind == "train":
+            if self.first_step_at is None:
+                self.first_step_at = record["time"]
+            self.last = record
+            self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
+            total = self.config.train.max_steps
+            eta = (total - step) * record["step_time_s"]
+            self.say(
+                f"[rayllm] step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | ETA {_duration(eta)}"
+            )
+        elif kind == "val":
+            self.val_loss = record["val_loss"]
+            if step == 0:
+                self.initial_val_loss = record["val_loss"]
+            self.tracker.log_metrics({"val_loss": record["val_loss"]}, step, "val")
+            self.say(f"[rayllm] step {step} | val loss {record['val_loss']:.4f}")
+        elif kind == "done":
+            self.last = record
+            self.val_loss = record.get("val_loss", self.val_loss)
+
+    def close(self) -> None:
+        self.tracker.close()
+        if self._local_log:
+            self._local_log.close()
+        elif self.history:
+            text = "".join(json.dumps(r) + "\n" for r in self.history)
+            write_text(join(self.config.run.dir, "metrics.jsonl"), text, self.config.data.storage)

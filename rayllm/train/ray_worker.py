@@ -1,0 +1,76 @@
+"""The per-rank loop as a Ray Train worker: data from dataset shards, checkpoints via report."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+from rayllm.config import TrainConfig
+from rayllm.data.pipeline import ray_chunks
+from rayllm.train.loop import Trainer
+
+
+class RaySession:
+    def __init__(self, queue, has_val: bool):
+        import ray.train
+
+        self._train = ray.train
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self._queue = queue if self.rank == 0 else None
+        self._has_val = has_val
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            import ray.train.torch
+
+            self.device = ray.train.torch.get_device()
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def train_chunks(self):
+        return ray_chunks(self._train.get_dataset_shard("train"))
+
+    def val_chunks(self):
+        return ray_chunks(self._train.get_dataset_shard("val")) if self._has_val else None
+
+    def restore_dir(self):
+        ckpt = self._train.get_checkpoint()
+        return ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None)
+
+    def save(self, step: int, metrics: dict[str, Any], write) -> None:
+        """Every rank writes its shards into its own folder; Ray merges them in storage."""
+        if write is None:
+            self._train.report(dict(metrics))
+            return
+        local = tempfile.mkdtemp(prefix=f"rayllm-ckpt-{step:08d}-r{self.rank}-")
+        try:
+            write(local)
+            self._train.report(
+                dict(metrics),
+                checkpoint=self._train.Checkpoint.from_directory(local),
+                checkpoint_dir_name=f"checkpoint_{step:08d}",
+            )
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self._queue is not None:
+            self._queue.put_nowait(record)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    # Progress reaches the driver through the monitor; Ray's per-report INFO lines are noise there.
+    for name in ("ray.train", "ray.data"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    config = TrainConfig.from_dict(loop_config["config"])
+    threads = max(1, int(config.cluster.cpus_per_worker))
+    if not config.cluster.use_gpu:
+        torch.set_num_threads(threads)
+    session = RaySession(loop_config["queue"], loop_config["has_val"])
+    Trainer(config, session).fit()

@@ -1,0 +1,118 @@
+"""The per-rank loop under plain torch.distributed, without Ray.
+
+    torchrun --nproc_per_node 2 -m rayllm.train.torchrun configs/tiny.yaml run.dir=/tmp/r
+
+The data stream is the same ordered stream the Ray pipeline produces, computed
+in-process; checkpoints go to ``run.dir/checkpoint_XXXXXXXX`` (a local or shared path),
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rayllm.config import TrainConfig
+from rayllm.data.pipeline import local_stream
+from rayllm.data.plan import DataPlans, prepare_data
+from rayllm.errors import RayllmError
+from rayllm.storage import is_remote
+from rayllm.train.loop import Trainer
+from rayllm.train.monitor import RunMonitor
+
+
+class LocalSession:
+    def __init__(self, config: TrainConfig, plans: DataPlans, monitor: RunMonitor | None):
+        self.config, self.plans, self.monitor = config, plans, monitor
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if config.cluster.use_gpu:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.run_dir = os.path.abspath(config.run.dir)
+
+    def train_chunks(self):
+        return lambda: local_stream(self.plans.train)
+
+    def val_chunks(self):
+        return (lambda: local_stream(self.plans.val)) if self.plans.val else None
+
+    def checkpoints(self) -> list[str]:
+        found = glob.glob(os.path.join(self.run_dir, "checkpoint_[0-9]*"))
+        return sorted(p for p in found if not p.endswith(".tmp") and os.path.exists(os.path.join(p, ".metadata")))
+
+    def restore_dir(self):
+        existing = self.checkpoints()
+        return contextlib.nullcontext(existing[-1] if existing else None)
+
+    def save(self, step: int, metrics: dict[str, Any], write) -> None:
+        if write is None:
+            return
+        final = os.path.join(self.run_dir, f"checkpoint_{step:08d}")
+        tmp = final + ".tmp"
+        write(tmp)
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in self.checkpoints()[: -self.config.train.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.monitor is not None:
+            self.monitor.handle(record)
+
+
+def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
+    """Train on the process group torchrun set up (initialised here when it is not yet)."""
+    if is_remote(config.run.dir):
+        raise RayllmError("under torchrun, run.dir must be a local or shared path; use the Ray path for s3://")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if config.cluster.use_gpu else "gloo")
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            plans = prepare_data(config, log=(lambda *_: None) if quiet else print)
+        dist.barrier()
+        if rank != 0:
+            plans = prepare_data(config, log=lambda *_: None)
+        monitor = RunMonitor(config, quiet=quiet) if rank == 0 else None
+        try:
+            metrics = Trainer(config, LocalSession(config, plans, monitor)).fit()
+        finally:
+            if monitor is not None:
+                monitor.close()
+        return metrics
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: torchrun ... -m rayllm.train.torchrun CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        config = TrainConfig.from_yaml(argv[0], overrides=argv[1:])
+        metrics = run(config)
+    except RayllmError as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"[rayllm] done: step {metrics.get('step')} loss {metrics.get('loss')} val_loss {metrics.get('val_loss')}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

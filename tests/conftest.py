@@ -1,0 +1,129 @@
+"""Shared fixtures: a real local Ray on 127.0.0.1, a real moto S3 server, small real data."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Ray reads this at import: every node it starts then advertises 127.0.0.1 (see shared NOTES).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+
+from rayllm.data.demo_corpus import stdlib_modules  # noqa: E402
+
+TEST_MODEL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=1024",
+    "data.seq_len=64",
+    "data.tokenizer_sample_docs=200",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.warmup_steps=2",
+    "train.val_batches=2",
+    "train.lr=3e-3",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A small real corpus (standard-library modules) as 3 jsonl train shards and a parquet val shard."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "train").mkdir()
+    (root / "val").mkdir()
+    modules = stdlib_modules()[:240]
+    shards = [open(root / "train" / f"part-{i}.jsonl", "w") for i in range(3)]
+    val = []
+    for i, path in enumerate(modules):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if i % 10 == 9:
+            val.append({"text": text})
+        else:
+            shards[i % 3].write(json.dumps({"text": text}) + "\n")
+    for f in shards:
+        f.close()
+    pq.write_table(pa.Table.from_pylist(val), root / "val" / "part-0.parquet")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(corpus, tmp_path_factory) -> Path:
+    from rayllm.config import StorageSettings
+    from rayllm.data import tokenizer as tok
+    from rayllm.data.shards import iter_documents
+
+    docs = list(iter_documents(str(corpus / "train" / "part-0.jsonl"), "text", StorageSettings()))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.train_bpe(docs, 1024).save(str(path))
+    return path
+
+
+@pytest.fixture
+def overrides(corpus, tokenizer_file, tmp_path) -> list[str]:
+    """Overrides for a small, fast run on the test corpus in a fresh run dir."""
+    return [
+        *TEST_MODEL,
+        f"data.train={corpus / 'train'}",
+        f"data.val={corpus / 'val'}",
+        f"data.tokenizer={tokenizer_file}",
+        f"run.dir={tmp_path / 'run'}",
+        "data.demo_corpus=false",
+    ]
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One real local Ray instance on 127.0.0.1 for the whole session."""
+    import ray
+
+    ray.init(
+        num_cpus=4,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level="WARNING",
+    )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server in server mode on 127.0.0.1 over HTTP; yields its endpoint URL."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("moto server did not start")
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)

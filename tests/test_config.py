@@ -1,0 +1,53 @@
+"""Config: typed tree, dotted overrides, errors that name the key and the nearest valid one."""
+
+import pytest
+
+from rayllm import ConfigError, TrainConfig
+
+
+def test_tiny_config_loads_with_overrides():
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=["train.max_steps=50", "run.dir=/tmp/r"])
+    assert config.train.max_steps == 50
+    assert config.run.dir == "/tmp/r"
+    assert config.model.dim == 256
+
+
+def test_typo_names_nearest_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.max_step'.*did you mean 'train.max_steps'"):
+        TrainConfig.from_dict({"train": {"max_step": 5}})
+
+
+def test_typo_in_override_section():
+    with pytest.raises(ConfigError, match=r"did you mean 'model'"):
+        TrainConfig.from_dict({}, overrides=["modle.dim=3"])
+
+
+def test_wrong_type_names_key_and_type():
+    with pytest.raises(ConfigError, match=r"train.max_steps must be an integer, got 'many'"):
+        TrainConfig.from_dict({}, overrides=["train.max_steps=many"])
+
+
+def test_yaml_exponent_string_is_a_float():
+    assert TrainConfig.from_dict({"train": {"lr": "3e-4"}}).train.lr == pytest.approx(3e-4)
+
+
+def test_num_workers_int_or_min_max():
+    assert TrainConfig.from_dict({}, overrides=["cluster.num_workers=[1, 2]"]).worker_range == (1, 2)
+    with pytest.raises(ConfigError, match="min, max"):
+        TrainConfig.from_dict({}, overrides=["cluster.num_workers=[2, 1]"])
+
+
+def test_global_batch_must_split_over_workers():
+    with pytest.raises(ConfigError, match="divisible"):
+        TrainConfig.from_dict({}, overrides=["train.global_batch_size=12", "train.micro_batch_size=4"])
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        TrainConfig.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_resolved_config_round_trips():
+    config = TrainConfig.from_yaml("configs/tiny.yaml")
+    again = TrainConfig.from_dict(__import__("yaml").safe_load(config.to_yaml()))
+    assert again == config
