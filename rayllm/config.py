@@ -39,6 +39,9 @@ class StorageSettings:
     anon: bool = False
 
 
+SECRET_KEYS = ("key", "secret")
+
+
 @dataclass
 class DataSettings:
     """Shards to read and how they become packed token sequences."""
@@ -52,8 +55,8 @@ class DataSettings:
     tokenizer_sample_docs: int = 4000
     # Prepare the bundled demo corpus when `train` points at the missing demo folder.
     demo_corpus: bool = True
-    # Tokenizer actors in the Ray Data pipeline.
-    tokenize_actors: int = 1
+    # Concurrent tokenize-and-pack tasks in the Ray Data pipeline (per reading worker).
+    tokenize_tasks: int = 2
     storage: StorageSettings = field(default_factory=StorageSettings)
 
 
@@ -165,6 +168,14 @@ class TrainConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def redacted(self) -> dict[str, Any]:
+        """The tree as a run records it: credentials replaced, so they never reach a log or tracker."""
+        tree = self.to_dict()
+        for key in SECRET_KEYS:
+            if tree["data"]["storage"].get(key):
+                tree["data"]["storage"][key] = "<redacted>"
+        return tree
+
     def with_overrides(self, overrides: list[str]) -> TrainConfig:
         return TrainConfig.from_dict(self.to_dict(), overrides)
 
@@ -192,7 +203,7 @@ class TrainConfig:
                 "train.val_every",
                 "train.checkpoint_every",
                 "train.keep_checkpoints",
-                "data.tokenize_actors",
+                "data.tokenize_tasks",
             ],
         )
         if m.dim % m.n_heads:

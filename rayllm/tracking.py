@@ -87,6 +87,15 @@ class Tracker:
             return
         try:
             self.run.close()
+            if not self.repo.startswith("aim://"):
+                self._index()
         except Exception as e:
             warnings.warn(f"Aim: closing the run failed: {e}", stacklevel=2)
         self.run = None
+
+    def _index(self) -> None:
+        """Index the closed run now, so ``aim.Repo(...)`` queries see it without ``aim up`` running."""
+        import aim
+        from aim.sdk.index_manager import RepoIndexManager
+
+        RepoIndexManager.get_index_manager(aim.Repo.from_path(self.repo)).index(self.run_hash)

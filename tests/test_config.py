@@ -51,3 +51,10 @@ def test_resolved_config_round_trips():
     config = TrainConfig.from_yaml("configs/tiny.yaml")
     again = TrainConfig.from_dict(__import__("yaml").safe_load(config.to_yaml()))
     assert again == config
+
+
+def test_credentials_are_redacted_from_the_recorded_config():
+    config = TrainConfig.from_dict({}, overrides=["data.storage.key=AKIAXYZ", "data.storage.secret=hunter2"])
+    text = str(config.redacted())
+    assert "AKIAXYZ" not in text and "hunter2" not in text
+    assert config.data.storage.secret == "hunter2"  # still there for the workers

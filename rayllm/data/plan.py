@@ -32,7 +32,7 @@ class DataPlans:
 
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     d, storage = config.data, config.data.storage
-    if d.demo_corpus and is_demo_path(d.train) and ensure_demo_corpus():
+    if d.demo_corpus and (is_demo_path(d.train) or is_demo_path(d.val)) and ensure_demo_corpus():
         log("prepared the demo corpus (Python standard library source) in data/demo")
     from rayllm.storage import expand_shards
 

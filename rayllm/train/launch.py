@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
+
 from rayllm.config import TrainConfig
 from rayllm.data.pipeline import ray_dataset
 from rayllm.data.plan import prepare_data
@@ -108,7 +110,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     started = time.time()
     log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
     plans = prepare_data(config, log=log)
-    write_text(join(config.run.dir, "config.yaml"), config.to_yaml(), config.data.storage)
+    resolved = yaml.safe_dump(config.redacted(), sort_keys=False)
+    write_text(join(config.run.dir, "config.yaml"), resolved, config.data.storage)
     connect_ray(config)
 
     import ray.data
@@ -121,7 +124,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    datasets = {"train": ray_dataset(plans.train, config.data.tokenize_actors)}
+    datasets = {"train": ray_dataset(plans.train, config.data.tokenize_tasks)}
     if plans.val is not None:
         datasets["val"] = ray_dataset(plans.val, 1)
     monitor = RunMonitor(config, quiet=quiet)

@@ -42,6 +42,7 @@ class RunMonitor:
         self.config, self.quiet = config, quiet
         self.out = out or sys.stdout
         self.tracker = Tracker(config)
+        self.tracker.log_params(config.redacted())
         self.started = time.time()
         self.first_step_at: float | None = None
         self.history: list[dict[str, Any]] = []

@@ -1,0 +1,63 @@
+"""Training from s3:// data on moto's S3 server (127.0.0.1, HTTP), checkpoints written to s3://."""
+
+import json
+
+import pytest
+
+from rayllm import TrainConfig, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def bucket(s3_server, corpus):
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    s3.create_bucket(Bucket="rayllm-test")
+    for path in sorted(corpus.rglob("part-*")):
+        s3.upload_file(str(path), "rayllm-test", f"corpus/{path.parent.name}/{path.name}")
+    return s3
+
+
+def test_train_from_s3_with_checkpoints_on_s3_and_resume(ray_local, s3_server, bucket, overrides):
+    from conftest import TEST_MODEL
+
+    base = [
+        *TEST_MODEL,
+        "data.train=s3://rayllm-test/corpus/train",
+        "data.val=s3://rayllm-test/corpus/val/part-0.parquet",
+        f"data.storage.endpoint_url={s3_server}",
+        "data.storage.key=testing",
+        "data.storage.secret=testing",
+        "data.storage.region=us-east-1",
+        "run.dir=s3://rayllm-test/runs/s3run",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "train.val_every=2",
+        "train.checkpoint_every=2",
+        "tracking.enabled=false",
+    ]
+    first = train(TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*base, "train.stop_at_step=2"]), quiet=True)
+    assert first.step == 2
+    assert first.checkpoint == "s3://rayllm-test/runs/s3run/checkpoint_00000002"
+    keys = {o["Key"] for o in bucket.list_objects_v2(Bucket="rayllm-test", Prefix="runs/s3run/")["Contents"]}
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "train_state.json"):
+        assert f"runs/s3run/checkpoint_00000002/{name}" in keys
+    assert "runs/s3run/tokenizer.json" in keys and "runs/s3run/config.yaml" in keys
+    state = json.loads(
+        bucket.get_object(Bucket="rayllm-test", Key="runs/s3run/checkpoint_00000002/train_state.json")["Body"].read()
+    )
+    assert state["step"] == 2
+
+    second = train(TrainConfig.from_yaml("configs/tiny.yaml", overrides=base), quiet=True)
+    starts = [r for r in second.history if r["kind"] == "start"]
+    assert starts[0]["step"] == 2
+    assert second.step == 4
+    assert second.checkpoint == "s3://rayllm-test/runs/s3run/checkpoint_00000004"

@@ -1,0 +1,107 @@
+"""The main job through Ray Train on a real local Ray (127.0.0.1): the Python API end to end."""
+
+import json
+
+import pytest
+
+from rayllm import RayllmError, TrainConfig, train
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["train.log_every=1", "train.val_every=3", "train.checkpoint_every=3", "cluster.num_workers=2"]
+
+
+def run(overrides, *extra):
+    return train(TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, *extra]), quiet=True)
+
+
+def losses(result):
+    return {r["step"]: r["loss"] for r in result.history if r["kind"] == "train"}
+
+
+def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_path):
+    result = run(
+        overrides,
+        "train.max_steps=30",
+        "train.log_every=5",
+        "train.val_every=15",
+        "train.checkpoint_every=15",
+        "train.warmup_steps=5",
+    )
+    assert result.step == 30
+    assert result.tokens == 30 * 8 * 64
+    assert result.val_loss < 0.9 * result.initial_val_loss
+    assert result.loss < losses(result)[5]
+    assert result.checkpoint and result.checkpoint.endswith("checkpoint_00000030")
+    with open(f"{result.checkpoint}/train_state.json") as f:
+        assert json.load(f)["step"] == 30
+    run_dir = tmp_path / "run"
+    assert TrainConfig.from_yaml(run_dir / "config.yaml").train.max_steps == 30  # resolved config saved
+
+    import aim
+
+    repo = aim.Repo(result.aim_repo)
+    runs = {r.hash: r for r in repo.iter_runs()}
+    assert result.aim_run_hash in runs
+    assert runs[result.aim_run_hash]["train"]["max_steps"] == 30  # hyperparameters: the resolved config
+    query = repo.query_metrics("metric.name in ['loss', 'val_loss', 'lr', 'grad_norm', 'tokens_per_s']")
+    tracked = {
+        (m.name, m.context.to_dict()["subset"]): m.dataframe()
+        for run_metrics in query.iter_runs()
+        if run_metrics.run.hash == result.aim_run_hash
+        for m in run_metrics
+    }
+    assert list(tracked[("loss", "train")]["step"]) == [5, 10, 15, 20, 25, 30]
+    assert list(tracked[("val_loss", "val")]["step"]) == [0, 15, 30]
+    for name in ("lr", "grad_norm", "tokens_per_s"):
+        assert list(tracked[(name, "train")]["step"]) == [5, 10, 15, 20, 25, 30]
+    assert tracked[("loss", "train")]["value"].iloc[-1] == pytest.approx(result.loss)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(request, tmp_path_factory, corpus, tokenizer_file):
+    """A 6-step run on 2 workers, shared by the parity and resume tests."""
+    request.getfixturevalue("ray_local")
+    from conftest import TEST_MODEL
+
+    base = [
+        *TEST_MODEL,
+        f"data.train={corpus / 'train'}",
+        f"data.val={corpus / 'val'}",
+        f"data.tokenizer={tokenizer_file}",
+        "data.demo_corpus=false",
+        *SHORT,
+        "train.max_steps=6",
+    ]
+    result = run([*base, f"run.dir={tmp_path_factory.mktemp('full') / 'run'}"])
+    return base, result
+
+
+def test_one_worker_equals_two_fsdp_workers(uninterrupted, tmp_path):
+    base, two = uninterrupted
+    one = run([*base, f"run.dir={tmp_path / 'one'}", "cluster.num_workers=1"])
+    assert sorted(losses(one)) == sorted(losses(two)) == list(range(1, 7))
+    for step, loss in losses(one).items():
+        assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
+
+
+def test_rerun_resumes_from_latest_checkpoint(uninterrupted, tmp_path):
+    base, full = uninterrupted
+    run_dir = f"run.dir={tmp_path / 'split'}"
+    first = run([*base, run_dir, "train.stop_at_step=3"])
+    assert first.step == 3
+    second = run([*base, run_dir])
+    starts = [r for r in second.history if r["kind"] == "start"]
+    assert starts[0]["step"] == 3
+    assert sorted(losses(second)) == [4, 5, 6]
+    assert abs(losses(second)[6] - losses(full)[6]) / losses(full)[6] <= 1e-4
+    assert second.aim_run_hash == first.aim_run_hash  # one Aim run for the whole training run
+
+
+def test_bad_shard_found_by_a_worker_is_reported_by_name(ray_local, overrides, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n" for i in range(300))
+    (data / "shard.jsonl").write_text(good + '{"text": broken\n')
+    with pytest.raises(RayllmError, match=r"shard .*shard.jsonl line 301 is not valid JSON"):
+        run(overrides, f"data.train={data}", "train.max_steps=200", "train.val_every=1000")
