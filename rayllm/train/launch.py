@@ -148,6 +148,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             storage_filesystem=fs,
             failure_config=ray.train.FailureConfig(max_failures=config.cluster.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
+            # Progress reaches the driver through the monitor; Ray Train's per-report lines are noise.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(

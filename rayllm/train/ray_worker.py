@@ -65,9 +65,8 @@ class RaySession:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    # Progress reaches the driver through the monitor; Ray's per-report INFO lines are noise there.
-    for name in ("ray.train", "ray.data"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # Progress reaches the driver through the monitor; Ray Data's per-execution lines are noise there.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     config = TrainConfig.from_dict(loop_config["config"])
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
