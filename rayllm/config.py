@@ -53,6 +53,8 @@ class DataSettings:
     # A tokenizer.json to load; when unset, a byte-level BPE is trained on a sample.
     tokenizer: str | None = None
     tokenizer_sample_docs: int = 4000
+    # Sequences per shuffle window of the global stream (1 turns shuffling off).
+    shuffle_window: int = 4096
     # Prepare the bundled demo corpus when `train` points at the missing demo folder.
     demo_corpus: bool = True
     # Concurrent tokenize-and-pack tasks in the Ray Data pipeline (per reading worker).
@@ -204,6 +206,7 @@ class TrainConfig:
                 "train.checkpoint_every",
                 "train.keep_checkpoints",
                 "data.tokenize_tasks",
+                "data.shuffle_window",
             ],
         )
         if m.dim % m.n_heads:

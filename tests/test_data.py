@@ -103,3 +103,19 @@ def test_empty_stream_is_an_error(tmp_path, tokenizer_file):
     plan = StreamPlan([str(tmp_path / "short.jsonl")], "text", S, tokenizer_file.read_text(), 64, 0, 1)
     with pytest.raises(DataError, match="produced no sequences"):
         next(rank_batches(lambda: local_stream(plan), start=0, global_batch=8, rank=0, world_size=1, repeat=True))
+
+
+def test_window_shuffle_is_a_seeded_permutation_independent_of_chunking():
+    from rayllm.data.pipeline import window_shuffled
+
+    rows = np.arange(50, dtype=np.int32).reshape(25, 2)
+
+    def chunks(size):
+        return lambda: (rows[i : i + size] for i in range(0, len(rows), size))
+
+    a = np.concatenate(list(window_shuffled(chunks(3), window=8, seed=1)()))
+    b = np.concatenate(list(window_shuffled(chunks(7), window=8, seed=1)()))
+    assert np.array_equal(a, b)
+    assert sorted(a[:, 0].tolist()) == rows[:, 0].tolist()  # every sequence exactly once
+    assert not np.array_equal(a, rows)
+    assert sorted(a[:8, 0].tolist()) == rows[:8, 0].tolist()  # permuted only within its window

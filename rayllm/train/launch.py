@@ -39,6 +39,7 @@ class TrainResult:
     initial_val_loss: float | None = None
     seconds: float = 0.0
     seconds_to_first_step: float | None = None
+    peak_memory_bytes: int | None = None
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -81,6 +82,19 @@ def _storage(config: TrainConfig) -> tuple[str, str, Any]:
     path = path.rstrip("/")
     parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
     return parent or "/", name, fs
+
+
+def _thread_env(config: TrainConfig) -> dict[str, str]:
+    """CPU threads per worker, set before the worker starts.
+
+    Ray Train runs the loop in a thread of its own, where ``torch.set_num_threads`` does not
+    reach the OpenMP pool; without this, every worker spins one thread per core and two
+    workers on two cores run 2.4x slower (measured on the tiny config).
+    """
+    if config.cluster.use_gpu:
+        return {}
+    threads = str(max(1, int(config.cluster.cpus_per_worker)))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
 def _failure_message(error: BaseException) -> str:
@@ -150,6 +164,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
             # Progress reaches the driver through the monitor; Ray Train's per-report lines are noise.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            worker_runtime_env={"env_vars": _thread_env(config)},
         ),
         datasets=datasets,
         dataset_config=ray.train.DataConfig(
@@ -206,6 +221,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         initial_val_loss=monitor.initial_val_loss,
         seconds=time.time() - started,
         seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
+        peak_memory_bytes=metrics.get("peak_memory_bytes"),
         history=monitor.history,
     )
     if not quiet:
@@ -225,7 +241,9 @@ def format_summary(r: TrainResult) -> str:
         + (f" (step 0: {r.initial_val_loss:.4f})" if r.initial_val_loss else ""),
         f"  tokens          {r.tokens:,}",
         f"  tokens/s        {num(r.tokens_per_s, ',.0f')}",
-        f"  wall time       {r.seconds:.0f} s",
+        f"  wall time       {r.seconds:.0f} s"
+        + (f" ({r.seconds_to_first_step:.0f} s to the first step)" if r.seconds_to_first_step else ""),
+        f"  peak memory     {num(r.peak_memory_bytes / 2**20 if r.peak_memory_bytes else None, ',.0f')} MiB per worker",
         f"  checkpoint      {r.checkpoint}",
         f"  run dir         {r.run_dir}",
     ]

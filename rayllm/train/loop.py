@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.pipeline import rank_batches
+from rayllm.data.pipeline import rank_batches, window_shuffled
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
 from rayllm.train.schedule import lr_at
@@ -164,7 +164,7 @@ class Trainer:
         t = self.config.train
         if self._val_rows is None:
             batches = rank_batches(
-                source,
+                window_shuffled(source, self.config.data.shuffle_window, seed=0),
                 start=0,
                 global_batch=t.global_batch_size,
                 rank=self.session.rank,
@@ -213,7 +213,7 @@ class Trainer:
             if rank0 and val is not None:
                 session.emit({"kind": "val", "step": 0, "val_loss": val})
         batches = rank_batches(
-            session.train_chunks(),
+            window_shuffled(session.train_chunks(), self.config.data.shuffle_window, seed=t.seed),
             start=self.consumed,
             global_batch=t.global_batch_size,
             rank=session.rank,
@@ -223,11 +223,15 @@ class Trainer:
         window_loss, window_steps, window_wait = 0.0, 0, 0.0
         window_start = time.perf_counter()
         metrics: dict[str, Any] = dict(self.last_metrics)
+        first = True
         while self.step < end:
             wait_start = time.perf_counter()
             rows = next(batches)
             window_wait += time.perf_counter() - wait_start
             loss, grad_norm = self.train_step(rows)
+            if rank0 and first:
+                session.emit({"kind": "first_step", "step": self.step})
+            first = False
             window_loss += loss
             window_steps += 1
             last = self.step == end

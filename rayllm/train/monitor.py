@@ -80,9 +80,9 @@ class RunMonitor:
                 f"{record['params'] / 1e6:.1f}M parameters, {record['accum_steps']} micro-batch(es) per worker "
                 f"per step"
             )
+        elif kind == "first_step":
+            self.first_step_at = record["time"]
         elif kind == "train":
-            if self.first_step_at is None:
-                self.first_step_at = record["time"]
             self.last = record
             self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
             total = self.config.train.max_steps
