@@ -58,9 +58,9 @@ def connect_ray(config: TrainConfig) -> None:
 
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": {"RAY_TRAIN_V2_ENABLED": "1"}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        # Inside `ray job submit` the job's own runtime env (working dir, packages) applies.
+        ray.init(address=address, log_to_driver=True)
         return
     lo, hi = config.worker_range
     cpus = os.cpu_count() or 1
@@ -71,7 +71,6 @@ def connect_ray(config: TrainConfig) -> None:
         _node_ip_address="127.0.0.1",
         include_dashboard=True,  # Ray Train's controller queries the state API it serves
         dashboard_host="127.0.0.1",
-        runtime_env=runtime_env,
         logging_level="WARNING",
     )
 
