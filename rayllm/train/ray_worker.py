@@ -67,6 +67,12 @@ class RaySession:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     # Progress reaches the driver through the monitor; Ray Data's per-execution lines are noise there.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
+    try:  # Ray Train names this logger by its file path, out of reach of LoggingConfig
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
     config = TrainConfig.from_dict(loop_config["config"])
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
