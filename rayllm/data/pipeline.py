@@ -250,6 +250,36 @@ def rank_batches(
             return
 
 
+def prefetched(iterator: Iterator[np.ndarray], depth: int = 2) -> Iterator[np.ndarray]:
+    """Run ``iterator`` ahead in a thread, so the stream starts (and waits) beside the step.
+
+    The training stream's first batch is then being prepared while step-0 validation runs.
+    Errors from the stream are raised in the consumer.
+    """
+    import queue
+    import threading
+
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+
+    def fill() -> None:
+        try:
+            for item in iterator:
+                items.put(item)
+            items.put(done)
+        except BaseException as e:  # handed to the consumer, which raises it
+            items.put(e)
+
+    threading.Thread(target=fill, daemon=True, name="rayllm-prefetch").start()
+    while True:
+        item = items.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 def epochs_needed(max_steps: int, global_batch: int, sample_sequences_per_shard: float, num_shards: int) -> int:
     """Epochs to list so the stream outlasts training (estimated from the tokenizer sample)."""
     per_epoch = max(1.0, sample_sequences_per_shard * num_shards)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.pipeline import rank_batches, window_shuffled
+from rayllm.data.pipeline import prefetched, rank_batches, window_shuffled
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
 from rayllm.train.schedule import lr_at
@@ -208,18 +208,20 @@ class Trainer:
                     "accum_steps": self.accum,
                 }
             )
+        batches = prefetched(
+            rank_batches(
+                window_shuffled(session.train_chunks(), self.config.data.shuffle_window, seed=t.seed),
+                start=self.consumed,
+                global_batch=t.global_batch_size,
+                rank=session.rank,
+                world_size=session.world_size,
+                repeat=True,
+            )
+        )
         if self.step == 0:
             val = self.validate()
             if rank0 and val is not None:
                 session.emit({"kind": "val", "step": 0, "val_loss": val})
-        batches = rank_batches(
-            window_shuffled(session.train_chunks(), self.config.data.shuffle_window, seed=t.seed),
-            start=self.consumed,
-            global_batch=t.global_batch_size,
-            rank=session.rank,
-            world_size=session.world_size,
-            repeat=True,
-        )
         window_loss, window_steps, window_wait = 0.0, 0, 0.0
         window_start = time.perf_counter()
         metrics: dict[str, Any] = dict(self.last_metrics)
