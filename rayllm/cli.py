@@ -15,6 +15,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config, for example configs/tiny.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides, for example train.max_steps=50 run.dir=/tmp/r")
     train.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    tokenizer = sub.add_parser("tokenizer", help="tokenizer tools")
+    tok_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    tok_train = tok_sub.add_parser("train", help="train a byte-level BPE on a sample of data.train")
+    tok_train.add_argument("config", help="YAML config whose data section names the corpus")
+    tok_train.add_argument("overrides", nargs="*", help="dotted overrides, for example data.train=s3://b/corpus")
+    tok_train.add_argument("-o", "--output", required=True, help="where to write tokenizer.json (local or s3://)")
+    tok_train.add_argument("--vocab-size", type=int, help="vocabulary size (default: model.vocab_size)")
+    tok_train.add_argument("--special-tokens", nargs="*", default=[], help="extra special tokens after EOS")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -29,6 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
         if args.command == "config":
             print(config.to_yaml(), end="")
+            return 0
+        if args.command == "tokenizer":
+            from rayllm.data.plan import train_tokenizer
+
+            info = train_tokenizer(config, args.output, args.vocab_size, args.special_tokens)
+            print(
+                f"[rayllm] tokenizer with {info['vocab_size']} tokens trained on {info['documents']} documents "
+                f"from {info['shards']} shard(s), saved to {info['output']}"
+            )
             return 0
         from rayllm.train.launch import format_summary, train
 

@@ -55,6 +55,8 @@ class DataSettings:
     tokenizer_sample_docs: int = 4000
     # Sequences per shuffle window of the global stream (1 turns shuffling off).
     shuffle_window: int = 4096
+    # Save the ids (epoch, shard, index) of the sequences trained on with each checkpoint.
+    record_ids: bool = False
     # Prepare the bundled demo corpus when `train` points at the missing demo folder.
     demo_corpus: bool = True
     # Concurrent tokenize-and-pack tasks in the Ray Data pipeline (per reading worker).

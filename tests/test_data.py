@@ -119,3 +119,53 @@ def test_window_shuffle_is_a_seeded_permutation_independent_of_chunking():
     assert sorted(a[:, 0].tolist()) == rows[:, 0].tolist()  # every sequence exactly once
     assert not np.array_equal(a, rows)
     assert sorted(a[:8, 0].tolist()) == rows[:8, 0].tolist()  # permuted only within its window
+
+
+def test_zstd_and_text_shards(tmp_path):
+    import zstandard
+
+    docs = ["alpha beta", "gamma"]
+    raw = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "b.txt").write_text("a whole document\non two lines\n")
+    assert list(iter_documents(str(tmp_path / "a.jsonl.zst"), "text", S)) == docs
+    assert list(iter_documents(str(tmp_path / "b.txt"), "text", S)) == ["a whole document\non two lines\n"]
+    (tmp_path / "cut.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw)[:-6])
+    with pytest.raises(DataError, match="cut.jsonl.zst"):
+        list(iter_documents(str(tmp_path / "cut.jsonl.zst"), "text", S))
+
+
+def test_tokenizer_train_cli_writes_a_loadable_tokenizer(corpus, tmp_path):
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "tok" / "tokenizer.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rayllm.cli",
+            "tokenizer",
+            "train",
+            "configs/tiny.yaml",
+            f"data.train={corpus / 'train'}",
+            "data.tokenizer_sample_docs=100",
+            "--vocab-size",
+            "600",
+            "--special-tokens",
+            "<pad>",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    tokenizer = Tokenizer.from_file(str(out))
+    assert tokenizer.get_vocab_size() == 600
+    assert tokenizer.token_to_id("<|endoftext|>") == 0 and tokenizer.token_to_id("<pad>") == 1
+    text = "def main():\n    print('hello')\n"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text  # byte-level: lossless

@@ -94,12 +94,30 @@ def _batched(items: Iterable[str], n: int) -> Iterator[list[str]]:
         yield group
 
 
+ID_FIELDS = ("epoch", "shard", "index")
+
+
+def to_records(batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Columns to one structured array per chunk: ``rows["tokens"]`` (n, seq_len + 1) and the ids.
+
+    One array keeps each sequence's id attached through shuffling and rank slicing.
+    """
+    tokens = batch["tokens"]
+    rows = np.empty(
+        len(tokens),
+        dtype=[("tokens", np.int32, tokens.shape[1:]), ("epoch", np.int32), ("shard", np.int32), ("index", np.int64)],
+    )
+    for name in ("tokens", *ID_FIELDS):
+        rows[name] = batch[name]
+    return rows
+
+
 def local_stream(plan: StreamPlan) -> Iterator[np.ndarray]:
-    """The stream without Ray: chunks of packed token rows (n, seq_len + 1)."""
+    """The stream without Ray: record chunks (see ``to_records``)."""
     packer = ShardPacker(plan)
     for item in work_items(plan):
         for chunk in packer.sequences(item["epoch"], item["shard"]):
-            yield chunk["tokens"]
+            yield to_records(chunk)
 
 
 _PACKERS: dict[int, ShardPacker] = {}
@@ -165,7 +183,7 @@ def ray_chunks(iterator) -> Callable[[], Iterator[np.ndarray]]:
 
     def chunks() -> Iterator[np.ndarray]:
         for batch in iterator.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=4):
-            yield batch["tokens"]
+            yield to_records(batch)
 
     return chunks
 

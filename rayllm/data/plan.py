@@ -32,8 +32,7 @@ class DataPlans:
 
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     d, storage = config.data, config.data.storage
-    if d.demo_corpus and (is_demo_path(d.train) or is_demo_path(d.val)) and ensure_demo_corpus():
-        log("prepared the demo corpus (Python standard library source) in data/demo")
+    _ensure_demo(config, log)
     from rayllm.storage import expand_shards
 
     train_shards = expand_shards(d.train, storage, "data.train")
@@ -64,6 +63,31 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     train = StreamPlan(shards=train_shards, seed=config.train.seed, epochs=epochs, **common)
     val = StreamPlan(shards=val_shards, seed=0, epochs=1, shuffle=False, **common) if val_shards else None
     return DataPlans(train=train, val=val, tokenizer_uri=tokenizer_uri, vocab_size=vocab)
+
+
+def _ensure_demo(config: TrainConfig, log) -> None:
+    d = config.data
+    if d.demo_corpus and (is_demo_path(d.train) or is_demo_path(d.val)) and ensure_demo_corpus():
+        log("prepared the demo corpus (Python standard library source) in data/demo")
+
+
+def train_tokenizer(
+    config: TrainConfig, output: str, vocab_size: int | None = None, special_tokens: list[str] | None = None
+) -> dict:
+    """Train a byte-level BPE on a sample streamed from ``data.train`` and save it at ``output``."""
+    from rayllm.storage import expand_shards
+
+    d = config.data
+    _ensure_demo(config, print)
+    shards = expand_shards(d.train, d.storage, "data.train")
+    sample = _sample_documents(shards, d.text_field, d.storage, d.tokenizer_sample_docs)
+    if not sample:
+        raise DataError(f"data.train holds no non-empty {d.text_field!r} documents to train a tokenizer on")
+    vocab = vocab_size or config.model.vocab_size
+    tokenizer = tok.train_bpe(sample, vocab, special_tokens)
+    write_text(output, tokenizer.to_str(), d.storage)
+    return {"output": output, "vocab_size": tokenizer.get_vocab_size(), "documents": len(sample),
+            "shards": len(shards)}
 
 
 def _sample_documents(shards: list[str], text_field: str, storage, limit: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 
@@ -39,23 +40,56 @@ def _decode(raw: bytes, uri: str) -> str:
         raise DataError(f"shard {uri} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
 
 
-def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
+def _zstd_lines(fs, path: str, uri: str) -> Iterator[bytes]:
+    """Lines of a .zst file, frame by frame; a file cut short mid-frame is an error.
+
+    zstandard's stream reader returns a truncated frame's bytes without complaint, so
+    frames are decoded here with ``decompressobj`` and checked for their end.
+    """
+    import zstandard
+
+    pending, in_frame = b"", False
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            while chunk:
+                pending += decoder.decompress(chunk)
+                in_frame = not decoder.eof
+                chunk = decoder.unused_data if decoder.eof else b""
+                if decoder.eof:
+                    decoder = zstandard.ZstdDecompressor().decompressobj()
+            *lines, pending = pending.split(b"\n")
+            yield from lines
+    if in_frame:
+        raise DataError(f"shard {uri} is truncated (its zstd stream ends mid-frame); re-upload or remove it")
+    if pending:
+        yield pending
+
+
+def _lines(fs, path: str, uri: str) -> Iterator[bytes]:
+    if path.lower().endswith(".zst"):
+        yield from _zstd_lines(fs, path, uri)
+        return
     with fs.open(path, "rb", compression="infer") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(_decode(raw, uri))
-            except json.JSONDecodeError as e:
-                raise DataError(f"shard {uri} line {lineno} is not valid JSON ({e.msg}); fix or remove it") from None
-            if not isinstance(record, dict) or text_field not in record:
-                raise DataError(
-                    f"shard {uri} line {lineno} has no {text_field!r} field; set data.text_field to the "
-                    f"field that holds the text"
-                )
-            text = record[text_field]
-            if isinstance(text, str) and text:
-                yield text
+        yield from f
+
+
+def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
+    for lineno, raw in enumerate(_lines(fs, path, uri), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(_decode(raw, uri))
+        except json.JSONDecodeError as e:
+            raise DataError(f"shard {uri} line {lineno} is not valid JSON ({e.msg}); fix or remove it") from None
+        if not isinstance(record, dict) or text_field not in record:
+            raise DataError(
+                f"shard {uri} line {lineno} has no {text_field!r} field; set data.text_field to the "
+                f"field that holds the text"
+            )
+        text = record[text_field]
+        if isinstance(text, str) and text:
+            yield text
 
 
 def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:

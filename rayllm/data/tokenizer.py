@@ -11,15 +11,16 @@ from rayllm.errors import DataError
 EOS = "<|endoftext|>"
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A GPT-2 style byte-level BPE whose only special token is EOS (id 0)."""
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: list[str] | None = None) -> Tokenizer:
+    """A GPT-2 style byte-level BPE; EOS is id 0, any other special tokens follow it."""
+    specials = [EOS, *[t for t in special_tokens or [] if t != EOS]]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -12,6 +12,7 @@ worker and under plain torchrun.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.pipeline import prefetched, rank_batches, window_shuffled
+from rayllm.data.pipeline import ID_FIELDS, prefetched, rank_batches, window_shuffled
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
 from rayllm.train.schedule import lr_at
@@ -107,6 +108,7 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
         self._val_rows: list[np.ndarray] | None = None
+        self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -127,6 +129,14 @@ class Trainer:
             "world_size": self.session.world_size,
         }
 
+    def _write_checkpoint(self, directory: str, state: dict[str, Any]) -> None:
+        checkpoint.save(directory, self.model, self.optimizer, state, self.session.rank)
+        if self.config.data.record_ids:
+            # The ids trained on since the previous checkpoint, committed with this one.
+            ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
+            np.save(os.path.join(directory, f"consumed-rank{self.session.rank:05d}.npy"), ids)
+            self._consumed_ids = []
+
     # -- steps ---------------------------------------------------------------------------
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
         inputs, targets = rows[:, :-1], rows[:, 1:]  # (B, T) each
@@ -136,7 +146,10 @@ class Trainer:
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
         t = self.config.train
-        batch = torch.from_numpy(rows).to(self.device, dtype=torch.long, non_blocking=True)
+        if self.config.data.record_ids:
+            self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
+        tokens = np.ascontiguousarray(rows["tokens"])
+        batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
         micro = batch.split(t.micro_batch_size)
         lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -175,7 +188,7 @@ class Trainer:
         self.model.eval()
         total, count = 0.0, 0
         for rows in self._val_rows:
-            batch = torch.from_numpy(rows).to(self.device, dtype=torch.long)
+            batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
             for rows_i in batch.split(t.micro_batch_size):
                 total += self._loss(rows_i).item() * len(rows_i)
                 count += len(rows_i)
@@ -270,11 +283,7 @@ class Trainer:
                         session.emit({"kind": "val", "step": self.step, "val_loss": val})
             if self.step % t.checkpoint_every == 0 or last:
                 state = self._state(metrics)
-                session.save(
-                    self.step,
-                    metrics,
-                    write=lambda d, s=state: checkpoint.save(d, self.model, self.optimizer, s, session.rank),
-                )
+                session.save(self.step, metrics, write=lambda d, s=state: self._write_checkpoint(d, s))
             if self.step % t.log_every == 0 or last:
                 window_start = time.perf_counter()
         self.last_metrics = metrics
