@@ -11,7 +11,6 @@ torchrun and Ray see identical data.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -296,9 +295,3 @@ def prefetched(iterator: Iterator[np.ndarray], depth: int = 2) -> Iterator[np.nd
         if isinstance(item, BaseException):
             raise item
         yield item
-
-
-def epochs_needed(max_steps: int, global_batch: int, sample_sequences_per_shard: float, num_shards: int) -> int:
-    """Epochs to list so the stream outlasts training (estimated from the tokenizer sample)."""
-    per_epoch = max(1.0, sample_sequences_per_shard * num_shards)
-    return max(1, math.ceil(max_steps * global_batch / per_epoch) + 1)

@@ -16,7 +16,7 @@ from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.pipeline import StreamPlan
 from rayllm.data.shards import iter_documents
 from rayllm.errors import DataError
-from rayllm.storage import filesystem, join, read_text, write_text
+from rayllm.storage import expand_shards, filesystem, join, read_text, write_text
 
 TOKENIZER_FILE = "tokenizer.json"
 SAMPLE_CHAR_LIMIT = 20_000_000
@@ -33,8 +33,6 @@ class DataPlans:
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     d, storage = config.data, config.data.storage
     _ensure_demo(config, log)
-    from rayllm.storage import expand_shards
-
     train_shards = expand_shards(d.train, storage, "data.train")
     val_shards = expand_shards(d.val, storage, "data.val") if d.val else []
     sample = _sample_documents(train_shards, d.text_field, storage, d.tokenizer_sample_docs)
@@ -75,8 +73,6 @@ def train_tokenizer(
     config: TrainConfig, output: str, vocab_size: int | None = None, special_tokens: list[str] | None = None
 ) -> dict:
     """Train a byte-level BPE on a sample streamed from ``data.train`` and save it at ``output``."""
-    from rayllm.storage import expand_shards
-
     d = config.data
     _ensure_demo(config, print)
     shards = expand_shards(d.train, d.storage, "data.train")
@@ -86,8 +82,7 @@ def train_tokenizer(
     vocab = vocab_size or config.model.vocab_size
     tokenizer = tok.train_bpe(sample, vocab, special_tokens)
     write_text(output, tokenizer.to_str(), d.storage)
-    return {"output": output, "vocab_size": tokenizer.get_vocab_size(), "documents": len(sample),
-            "shards": len(shards)}
+    return {"output": output, "vocab_size": tokenizer.get_vocab_size(), "documents": len(sample), "shards": len(shards)}
 
 
 def _sample_documents(shards: list[str], text_field: str, storage, limit: int) -> list[str]:

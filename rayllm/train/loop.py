@@ -12,6 +12,7 @@ worker and under plain torchrun.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import resource
 import time
@@ -50,20 +51,8 @@ class Session(Protocol):
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
-    m = config.model
-    return ModelArgs(
-        dim=m.dim,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        vocab_size=m.vocab_size,
-        ffn_hidden=m.ffn_hidden,
-        ffn_multiple_of=m.ffn_multiple_of,
-        norm_eps=m.norm_eps,
-        rope_theta=m.rope_theta,
-        tie_embeddings=m.tie_embeddings,
-        max_seq_len=config.data.seq_len,
-    )
+    """The model's own arguments: the config's model section, sized for the run's sequences."""
+    return ModelArgs(**dataclasses.asdict(config.model), max_seq_len=config.data.seq_len)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
