@@ -86,9 +86,9 @@ def _storage(config: TrainConfig) -> tuple[str, str, Any]:
 def _thread_env(config: TrainConfig) -> dict[str, str]:
     """CPU threads per worker, set before the worker starts.
 
-    Ray Train runs the loop in a thread of its own, where ``torch.set_num_threads`` does not
-    reach the OpenMP pool; without this, every worker spins one thread per core and two
-    workers on two cores run 2.4x slower (measured on the tiny config).
+    Ray Train V2 workers start without OMP_NUM_THREADS (seen in their environment), and the
+    loop runs in a thread of Ray's, so torch's default of one thread per core would make
+    co-located workers oversubscribe the cores.
     """
     if config.cluster.use_gpu:
         return {}
