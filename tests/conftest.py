@@ -12,6 +12,7 @@ from pathlib import Path
 
 # Ray reads this at import: every node it starts then advertises 127.0.0.1 (see shared NOTES).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # tests send nothing beyond loopback
 
 import pytest  # noqa: E402
 

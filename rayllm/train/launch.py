@@ -54,6 +54,8 @@ def connect_ray(config: TrainConfig) -> None:
     address = config.cluster.address or os.environ.get("RAY_ADDRESS")
     if not address:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # A local run sends nothing off the machine: no usage statistics to Ray's servers.
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     if ray.is_initialized():
