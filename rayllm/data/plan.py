@@ -90,7 +90,7 @@ def _sample_documents(shards: list[str], text_field: str, storage, limit: int) -
     per_shard = max(1, math.ceil(limit / len(shards)))
     sample: list[str] = []
     chars = 0
-    for uri in shards[: max(1, limit)]:
+    for uri in shards:
         for text in itertools.islice(iter_documents(uri, text_field, storage), per_shard):
             sample.append(text)
             chars += len(text)

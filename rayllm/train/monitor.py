@@ -46,7 +46,6 @@ class RunMonitor:
         self.started = time.time()
         self.first_step_at: float | None = None
         self.history: list[dict[str, Any]] = []
-        self.last: dict[str, Any] = {}
         self.val_loss: float | None = None
         self.initial_val_loss: float | None = None
         self._local_log = None
@@ -83,7 +82,6 @@ class RunMonitor:
         elif kind == "first_step":
             self.first_step_at = record["time"]
         elif kind == "train":
-            self.last = record
             self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
             total = self.config.train.max_steps
             eta = (total - step) * record["step_time_s"]
@@ -98,7 +96,6 @@ class RunMonitor:
             self.tracker.log_metrics({"val_loss": record["val_loss"]}, step, "val")
             self.say(f"[rayllm] step {step} | val loss {record['val_loss']:.4f}")
         elif kind == "done":
-            self.last = record
             self.val_loss = record.get("val_loss", self.val_loss)
 
     def close(self) -> None:
