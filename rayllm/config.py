@@ -143,26 +143,11 @@ class TrainConfig:
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
         """Load a YAML file and apply dotted ``key=value`` overrides."""
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ConfigError(
-                f"config file not found: {path!r}. Pass the path of a YAML file, for example configs/tiny.yaml."
-            )
-        with open(path) as f:
-            try:
-                raw = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(raw).__name__}")
-        return cls.from_dict(raw, overrides)
+        return cls.from_dict(read_yaml_mapping(path), overrides)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> TrainConfig:
-        raw = _deepcopy(raw)
-        for item in overrides or []:
-            _apply_override(raw, item)
-        config = _build(cls, raw, prefix="")
+        config = build_config(cls, raw, overrides)
         config.validate()
         return config
 
@@ -233,6 +218,31 @@ class TrainConfig:
             check_batch_split(t.global_batch_size, t.micro_batch_size, n)
 
 
+def read_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML config file's top-level mapping, or a ConfigError saying what is wrong with it."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"config file not found: {path!r}. Pass the path of a YAML file, for example configs/tiny.yaml."
+        )
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(raw).__name__}")
+    return raw
+
+
+def build_config(cls: type, raw: dict[str, Any], overrides: list[str] | None = None) -> Any:
+    """Any dataclass config tree from a mapping plus dotted overrides, with the same key and type checks."""
+    raw = _deepcopy(raw)
+    for item in overrides or []:
+        _apply_override(raw, item, cls)
+    return _build(cls, raw, prefix="")
+
+
 def check_batch_split(global_batch: int, micro_batch: int, world_size: int) -> int:
     """Gradient-accumulation steps that keep ``global_batch`` fixed on ``world_size`` ranks."""
     per_step = micro_batch * world_size
@@ -261,7 +271,7 @@ def _deepcopy(value: Any) -> Any:
     return value
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], item: str, root: type) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like key=value, for example train.max_steps=50")
     key, _, text = item.partition("=")
@@ -272,7 +282,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = text
     node: Any = raw
     parts = key.split(".")
-    cls: Any = TrainConfig
+    cls: Any = root
     for i, part in enumerate(parts[:-1]):
         hints = _fields(cls)
         if part not in hints:
