@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rayllm.errors import RayllmError
@@ -23,6 +24,17 @@ def _parser() -> argparse.ArgumentParser:
     tok_train.add_argument("-o", "--output", required=True, help="where to write tokenizer.json (local or s3://)")
     tok_train.add_argument("--vocab-size", type=int, help="vocabulary size (default: model.vocab_size)")
     tok_train.add_argument("--special-tokens", nargs="*", default=[], help="extra special tokens after EOS")
+    prep = sub.add_parser("prepare", help="clean, filter and deduplicate raw documents into parquet shards")
+    prep.add_argument("config", help="YAML prepare config, for example configs/prepare-demo.yaml")
+    prep.add_argument("overrides", nargs="*", help="dotted overrides, for example output.path=s3://b/clean")
+    prep.add_argument("-q", "--quiet", action="store_true", help="print only the report")
+    bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_data = bench_sub.add_parser("data", help="data pipeline tokens/s against raw encode_batch, per core")
+    bench_data.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config whose data.train to read")
+    bench_data.add_argument("overrides", nargs="*", help="dotted overrides, for example data.train=s3://b/corpus")
+    bench_data.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
+    bench_data.add_argument("--epochs", type=int, default=3, help="passes over data.train on each side")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -31,12 +43,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "prepare":
+        return _prepare(args)
     from rayllm.config import TrainConfig
 
     try:
         config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
         if args.command == "config":
             print(config.to_yaml(), end="")
+            return 0
+        if args.command == "bench":
+            from rayllm.bench import data as bench_data
+
+            print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs)))
             return 0
         if args.command == "tokenizer":
             from rayllm.data.plan import train_tokenizer
@@ -60,6 +79,25 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "rayllm: interrupted; the latest checkpoint in run.dir is kept and the next run resumes from it",
             file=sys.stderr,
+        )
+        return 130
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from rayllm.prepare import PrepareConfig, prepare
+    from rayllm.prepare.job import format_report
+
+    try:
+        report = prepare(PrepareConfig.from_yaml(args.config, overrides=args.overrides), quiet=args.quiet)
+        if args.quiet:
+            print(format_report(report))
+        return 0
+    except RayllmError as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            "rayllm: interrupted; output.path may hold a partial result, which the next run replaces", file=sys.stderr
         )
         return 130
 

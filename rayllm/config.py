@@ -43,10 +43,21 @@ SECRET_KEYS = ("key", "secret")
 
 
 @dataclass
+class SourceSettings:
+    """One source of a weighted mixture: ``data.train: [{path: ..., weight: 0.7}, ...]``."""
+
+    path: str | list[str] = ""
+    weight: float = 1.0
+    name: str | None = None  # default: the path's last part
+    text_field: str | None = None  # default: data.text_field
+
+
+@dataclass
 class DataSettings:
     """Shards to read and how they become packed token sequences."""
 
-    train: str | list[str] = "data/demo/train"
+    # A path, glob, folder or list of them; or a list of weighted sources (SourceSettings).
+    train: str | list[str] | list[SourceSettings] = "data/demo/train"
     val: str | list[str] | None = "data/demo/val"
     seq_len: int = 256
     text_field: str = "text"
@@ -61,6 +72,8 @@ class DataSettings:
     demo_corpus: bool = True
     # Concurrent tokenize-and-pack tasks in the Ray Data pipeline (per reading worker).
     tokenize_tasks: int = 2
+    # A shard that cannot be read: "error" stops the run naming it; "skip" skips it and counts it.
+    on_bad_shard: str = "error"
     storage: StorageSettings = field(default_factory=StorageSettings)
 
 
@@ -204,6 +217,14 @@ class TrainConfig:
             raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
         if t.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+        if self.data.on_bad_shard not in ("error", "skip"):
+            raise ConfigError(f"data.on_bad_shard must be error or skip; got {self.data.on_bad_shard!r}")
+        if isinstance(self.data.train, list) and any(isinstance(s, SourceSettings) for s in self.data.train):
+            for i, source in enumerate(self.data.train):
+                if not source.path:
+                    raise ConfigError(f"data.train[{i}].path is empty; give the source's path, glob or folder")
+                if source.weight <= 0:
+                    raise ConfigError(f"data.train[{i}].weight must be > 0, got {source.weight}")
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"train.precision must be one of auto, fp32, bf16; got {t.precision!r}")
         if isinstance(c.num_workers, list):
@@ -338,6 +359,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         options = typing.get_args(tp)
         if value is None and type(None) in options:
             return None
+        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+            for option in options:
+                if typing.get_origin(option) is list and _dataclass_of(typing.get_args(option)[0]):
+                    return _coerce(value, option, key)
         errors = []
         for option in options:
             if option is type(None):
@@ -352,6 +377,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
         return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    sub = _dataclass_of(tp)
+    if sub is not None:
+        return _build(sub, value, key + ".")
     if tp is bool:
         if isinstance(value, bool):
             return value

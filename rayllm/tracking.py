@@ -73,12 +73,12 @@ class Tracker:
         except Exception as e:
             warnings.warn(f"Aim: could not record parameters: {e}", stacklevel=2)
 
-    def log_metrics(self, metrics: dict[str, float], step: int, subset: str) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, subset: str, **context: str) -> None:
         if self.run is None:
             return
         try:
             for name, value in metrics.items():
-                self.run.track(float(value), name=name, step=step, context={"subset": subset})
+                self.run.track(float(value), name=name, step=step, context={"subset": subset, **context})
         except Exception as e:
             warnings.warn(f"Aim: could not record metrics at step {step}: {e}", stacklevel=2)
 

@@ -8,17 +8,23 @@ import numpy as np
 import pytest
 
 from rayllm.config import StorageSettings
+from rayllm.data.order import StreamPlan, local_stream, rank_slice
 from rayllm.data.packing import pack
-from rayllm.data.pipeline import StreamPlan, local_stream, rank_batches, work_items
 from rayllm.data.shards import iter_documents
+from rayllm.data.source import ID_FIELDS, ShardPacker, SourcePlan, work_item
 from rayllm.errors import DataError
 
 S = StorageSettings()
 
 
-def test_pack_separates_documents_with_eos_and_keeps_order():
-    blocks = np.concatenate(list(pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], eos=0, block=4, chunk=2)))
-    assert blocks.tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+def test_pack_separates_documents_with_eos_and_marks_where_each_block_starts():
+    out = list(pack(enumerate([[1, 2, 3], [4, 5], [6, 7, 8, 9]]), eos=0, block=4, chunk=2))
+    assert np.concatenate([b for b, _, _ in out]).tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+    assert np.concatenate([d for _, d, _ in out]).tolist() == [0, 1, 2]
+    assert np.concatenate([o for _, _, o in out]).tolist() == [0, 0, 1]
+    # Restarting at the third block's start (document 2, token 1) gives the same block.
+    again = list(pack([(2, [6, 7, 8, 9])], eos=0, block=4, first_offset=1))
+    assert again[0][0].tolist() == [[7, 8, 9, 0]]
 
 
 def test_readers_agree_across_formats(tmp_path):
@@ -56,69 +62,120 @@ def take(n, iterator):
     return list(itertools.islice(iterator, n))
 
 
-def _plan(corpus, tokenizer_file, epochs=1):
-    return StreamPlan(
-        shards=sorted(str(p) for p in (corpus / "train").glob("*.jsonl")),
+def _source(corpus, tokenizer_file, index=0, weight=1.0, name="train", folder="train"):
+    return SourcePlan(
+        name=name,
+        shards=sorted(str(p) for p in (corpus / folder).glob("*.jsonl")),
+        weight=weight,
         text_field="text",
         storage=S,
         tokenizer_json=tokenizer_file.read_text(),
         seq_len=64,
         seed=7,
-        epochs=epochs,
+        index=index,
     )
+
+
+def _plan(corpus, tokenizer_file, window=32, sources=None):
+    return StreamPlan(sources=sources or [_source(corpus, tokenizer_file)], window=window, seed=7)
 
 
 def test_epochs_reshuffle_shards_by_seed(corpus, tokenizer_file):
-    items = work_items(_plan(corpus, tokenizer_file, epochs=4))
-    orders = [tuple(i["shard"] for i in items if i["epoch"] == e) for e in range(4)]
+    plan = _source(corpus, tokenizer_file)
+    orders = [tuple(work_item(plan, e * 3 + j)["shard"] for j in range(3)) for e in range(4)]
     assert all(sorted(o) == [0, 1, 2] for o in orders)
     assert len(set(orders)) > 1
-    assert work_items(_plan(corpus, tokenizer_file, epochs=4)) == items
+    assert orders == [tuple(work_item(plan, e * 3 + j)["shard"] for j in range(3)) for e in range(4)]
 
 
-def batches(plan, start=0, rank=0, world_size=1, n=6):
-    stream = rank_batches(
-        lambda: local_stream(plan), start=start, global_batch=8, rank=rank, world_size=world_size, repeat=False
-    )
-    return take(n, stream)
+@pytest.mark.parametrize("window", [1, 32, 100])
+def test_restart_from_any_saved_state_continues_with_the_next_unseen_sequence(corpus, tokenizer_file, window):
+    """The state saved after each step restarts the stream exactly there, shuffled or not, on any world size."""
+    plan = _plan(corpus, tokenizer_file, window=window)
+    full = take(30, local_stream(plan, global_batch=8))
+    for step in (0, 3, 11, 12, 25):
+        _, state = full[step]
+        resumed = take(4, local_stream(plan, state, consumed=(step + 1) * 8, global_batch=8))
+        for k, (rows, _) in enumerate(resumed):
+            assert np.array_equal(rows, full[step + 1 + k][0]), (step, k)
+    ids = [tuple(r) for rows, _ in full for r in rows[list(ID_FIELDS)]]
+    assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ranks_together_see_exactly_the_single_process_batches(corpus, tokenizer_file, world_size):
+def test_rank_slices_together_are_the_global_batch(corpus, tokenizer_file):
     plan = _plan(corpus, tokenizer_file)
-    single = batches(plan)
-    per_rank = [batches(plan, rank=r, world_size=world_size) for r in range(world_size)]
-    for step in range(6):
-        assert np.array_equal(np.concatenate([per_rank[r][step] for r in range(world_size)]), single[step])
+    for rows, _ in take(5, local_stream(plan, global_batch=8)):
+        for world in (1, 2, 4):
+            assert np.array_equal(np.concatenate([rank_slice(rows, r, world) for r in range(world)]), rows)
 
 
-def test_resume_position_continues_with_next_unseen_sequence(corpus, tokenizer_file):
-    plan = _plan(corpus, tokenizer_file)
-    full = batches(plan, n=5)
-    assert np.array_equal(batches(plan, start=3 * 8, n=1)[0], full[3])
+def test_restart_tokenizes_only_from_the_cursor(corpus, tokenizer_file):
+    """A restart reads the current shard up to the cursor's document but tokenizes nothing before it."""
+    plan = _plan(corpus, tokenizer_file, window=64)
+    full = take(40, local_stream(plan, global_batch=8))
+    _, state = full[30]
+    cursor = state.cursor(0)
+    assert cursor[2] > 0, "the cursor should lie past the first document of its shard"
+    encoded = []
+
+    class CountingPacker(ShardPacker):
+        def __init__(self, plan):
+            super().__init__(plan)
+            original = self.tokenizer.encode_batch
+            self.tokenizer = type("T", (), {})()
+            self.tokenizer.encode_batch = lambda texts, **kw: encoded.extend(texts) or original(texts, **kw)
+
+    packer = CountingPacker(plan.sources[0])
+    item = work_item(plan.sources[0], cursor[0], cursor)
+    rows = next(packer.rows(item))
+    assert rows["index"][0] == cursor[1] + 1
+    docs = list(iter_documents(plan.sources[0].shards[item["shard"]], "text", S))
+    assert encoded[0] == docs[cursor[2]]  # the first document tokenized is the cursor's own
 
 
-def test_empty_stream_is_an_error(tmp_path, tokenizer_file):
+def test_weighted_mixture_is_realised_and_independent_of_restarts(corpus, tokenizer_file, tmp_path):
+    from rayllm.data import mixture
+
+    a = _source(corpus, tokenizer_file, index=0, weight=0.7, name="a")
+    b = _source(corpus, tokenizer_file, index=1, weight=0.3, name="b", folder="train")
+    plan = _plan(corpus, tokenizer_file, window=64, sources=[a, b])
+    full = take(64, local_stream(plan, global_batch=16))
+    sources = np.concatenate([rows["source"] for rows, _ in full])
+    assert abs((sources == 0).mean() - 0.7) < 0.03
+    _, state = full[40]
+    resumed = take(5, local_stream(plan, state, consumed=41 * 16, global_batch=16))
+    for k, (rows, _) in enumerate(resumed):
+        assert np.array_equal(rows, full[41 + k][0])
+    # Labels are random-access: any range agrees with the whole.
+    whole = mixture.labels([0.7, 0.3], 0, 5000, seed=3)
+    assert np.array_equal(mixture.labels([0.7, 0.3], 1234, 4321, seed=3), whole[1234:4321])
+    assert abs((whole[:4096] == 0).mean() - 0.7) <= 1 / mixture.BLOCK
+
+
+def test_bad_shard_is_skipped_and_counted_when_the_config_says_skip(corpus, tokenizer_file, tmp_path):
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    for i in range(3):
+        docs = [" ".join(words[(i + d + k) % 8] + str(k % 13) for k in range(300)) for d in range(4)]
+        (tmp_path / f"part-{i}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "part-9.jsonl.gz").write_bytes(b"\x1f\x8b\x08garbage")
+    source = _source(corpus, tokenizer_file)
+    source.shards = sorted(str(p) for p in tmp_path.iterdir())
+    with pytest.raises(DataError, match="part-9.jsonl.gz"):
+        take(400, local_stream(_plan(corpus, tokenizer_file, sources=[source]), global_batch=8))
+    source.on_bad_shard = "skip"
+    batches = take(200, local_stream(_plan(corpus, tokenizer_file, sources=[source]), global_batch=8))
+    skipped = batches[-1][1].skipped
+    assert {s["uri"] for s in skipped} == {str(tmp_path / "part-9.jsonl.gz")}
+    assert "unreadable" in skipped[0]["error"]
+    assert {int(s) for rows, _ in batches for s in rows["shard"]} == {0, 1, 2}
+
+
+def test_empty_stream_is_an_error(tmp_path, tokenizer_file, corpus):
     (tmp_path / "short.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
-    plan = StreamPlan([str(tmp_path / "short.jsonl")], "text", S, tokenizer_file.read_text(), 64, 0, 1)
+    source = _source(corpus, tokenizer_file)
+    source.shards = [str(tmp_path / "short.jsonl")]
     with pytest.raises(DataError, match="produced no sequences"):
-        next(rank_batches(lambda: local_stream(plan), start=0, global_batch=8, rank=0, world_size=1, repeat=True))
-
-
-def test_window_shuffle_is_a_seeded_permutation_independent_of_chunking():
-    from rayllm.data.pipeline import window_shuffled
-
-    rows = np.arange(50, dtype=np.int32).reshape(25, 2)
-
-    def chunks(size):
-        return lambda: (rows[i : i + size] for i in range(0, len(rows), size))
-
-    a = np.concatenate(list(window_shuffled(chunks(3), window=8, seed=1)()))
-    b = np.concatenate(list(window_shuffled(chunks(7), window=8, seed=1)()))
-    assert np.array_equal(a, b)
-    assert sorted(a[:, 0].tolist()) == rows[:, 0].tolist()  # every sequence exactly once
-    assert not np.array_equal(a, rows)
-    assert sorted(a[:8, 0].tolist()) == rows[:8, 0].tolist()  # permuted only within its window
+        next(local_stream(_plan(corpus, tokenizer_file, sources=[source]), global_batch=8))
 
 
 def test_zstd_and_text_shards(tmp_path):

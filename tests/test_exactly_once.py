@@ -1,14 +1,19 @@
 """Exactly once, in one order: sequence ids recorded with each checkpoint through restarts
-that change the number of workers (2 -> 1 -> 2) form the seed's global order, each once."""
+that change the number of workers (2 -> 1 -> 2) and through a worker killed mid-run form
+the seed's global order, each once."""
 
 import glob
 import json
+import os
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from rayllm import TrainConfig, train
-from rayllm.data.pipeline import local_stream, window_shuffled
+from rayllm.data.order import local_stream
 from rayllm.data.plan import prepare_data
 
 pytestmark = pytest.mark.slow
@@ -33,7 +38,33 @@ def ids_of(rows):
     return [tuple(int(v) for v in r) for r in rows]
 
 
-def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers(ray_local, overrides, small_corpus, tmp_path):
+def kill_a_worker_after(run_dir, step: int, killed: list) -> threading.Thread:
+    """SIGKILL one Ray Train worker process once the run has logged ``step``."""
+    from ray.util.state import list_actors
+
+    def watch():
+        deadline = time.time() + 300
+        log = os.path.join(run_dir, "metrics.jsonl")
+        while time.time() < deadline and not killed:
+            if os.path.exists(log):
+                with open(log) as f:
+                    records = [json.loads(line) for line in f if line.strip()]
+                if any(r.get("kind") == "train" and r["step"] >= step for r in records):
+                    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+                    if workers:
+                        os.kill(workers[0].pid, signal.SIGKILL)
+                        killed.append(workers[0].pid)
+                        return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
+    ray_local, overrides, small_corpus, tmp_path
+):
     base = [
         *overrides,
         f"data.train={small_corpus}",
@@ -47,13 +78,22 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers(ray_local, overr
     ]
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=base)
     plan = prepare_data(config, log=lambda *_: None).train
-    stream = np.concatenate(list(window_shuffled(lambda: local_stream(plan), 64, seed=config.train.seed)()))
-    epoch0 = stream[stream["epoch"] == 0]
-    steps = len(epoch0) // G
+    batches = []
+    for rows, _ in local_stream(plan, global_batch=G):  # endless epochs: stop once epoch 0 is behind
+        batches.append(rows)
+        if (rows["epoch"] > 0).all():
+            break
+    stream = np.concatenate(batches)
+    last_of_epoch0 = int(np.flatnonzero(stream["epoch"] == 0)[-1])
+    steps = last_of_epoch0 // G + 1  # the steps that hold every sequence of epoch 0
     assert steps >= 12, f"the small corpus should give at least 12 steps, got {steps}"
-    expected = ids_of(stream[: steps * G][["epoch", "shard", "index"]])
+    expected = ids_of(stream[: steps * G][["source", "epoch", "shard", "index"]])
+    epoch0 = {e for e in expected if e[1] == 0}
+    assert len(epoch0) == int((stream["epoch"] == 0).sum())
 
-    for workers, stop in ((2, 4), (1, 9), (2, steps)):
+    killed: list[int] = []
+    for workers, stop, kill_at in ((2, 4, None), (1, 9, 6), (2, steps, None)):
+        watcher = kill_a_worker_after(str(tmp_path / "run"), kill_at, killed) if kill_at else None
         result = train(
             TrainConfig.from_yaml(
                 "configs/tiny.yaml",
@@ -62,11 +102,18 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers(ray_local, overr
                     f"train.max_steps={steps}",
                     f"cluster.num_workers={workers}",
                     f"train.stop_at_step={stop}",
+                    "cluster.max_failures=1",
                 ],
             ),
             quiet=True,
         )
         assert result.step == stop
+        if watcher is not None:
+            watcher.join(timeout=1)
+            assert killed, "the worker was not killed"
+            restarts = [r for r in result.history if r["kind"] == "start" and r["restarts"] > 0]
+            assert len([r for r in result.history if r["kind"] == "start"]) == 2, "the kill should cause a restart"
+            assert restarts
 
     # Rebuild the global order: per checkpoint, per step, rank 0's rows then rank 1's.
     seen = []
@@ -78,4 +125,5 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers(ray_local, overr
             for rows in per_rank:
                 seen.extend(ids_of(rows[step * per_step : (step + 1) * per_step]))
     assert len(seen) == len(set(seen)), "a sequence was trained on twice"
-    assert seen == expected  # every sequence of the epoch once, in the seed's order, whatever the world size
+    assert seen == expected  # in the seed's order, whatever the world size
+    assert epoch0 <= set(seen)  # every sequence of epoch 0, each once

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import itertools
 import math
+import posixpath
 from dataclasses import dataclass
 
-from rayllm.config import TrainConfig
+from rayllm.config import SourceSettings, TrainConfig
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
-from rayllm.data.pipeline import StreamPlan
+from rayllm.data.order import StreamPlan
 from rayllm.data.shards import iter_documents
+from rayllm.data.source import SourcePlan
 from rayllm.errors import DataError
 from rayllm.storage import expand_shards, filesystem, join, read_text, write_text
 
@@ -30,18 +32,49 @@ class DataPlans:
     vocab_size: int
 
 
+@dataclass
+class _Source:
+    name: str
+    shards: list[str]
+    weight: float
+    text_field: str
+
+
+def _sources(config: TrainConfig) -> list[_Source]:
+    """data.train as named, weighted sources (a plain path or list is one source of weight 1)."""
+    d = config.data
+    specs = d.train if isinstance(d.train, list) and d.train and isinstance(d.train[0], SourceSettings) else None
+    if specs is None:
+        return [_Source("train", expand_shards(d.train, d.storage, "data.train"), 1.0, d.text_field)]
+    sources, names = [], set()
+    for i, spec in enumerate(specs):
+        path = spec.path if isinstance(spec.path, str) else spec.path[0]
+        name = spec.name or posixpath.basename(path.rstrip("/").split("*")[0].rstrip("/")) or f"source{i}"
+        if name in names:
+            name = f"{name}-{i}"
+        names.add(name)
+        shards = expand_shards(spec.path, d.storage, f"data.train[{i}].path")
+        sources.append(_Source(name, shards, spec.weight, spec.text_field or d.text_field))
+    return sources
+
+
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     d, storage = config.data, config.data.storage
     _ensure_demo(config, log)
-    train_shards = expand_shards(d.train, storage, "data.train")
+    sources = _sources(config)
     val_shards = expand_shards(d.val, storage, "data.val") if d.val else []
-    sample = _sample_documents(train_shards, d.text_field, storage, d.tokenizer_sample_docs)
-    if not sample:
-        raise DataError(
-            f"data.train is empty: its {len(train_shards)} shard(s) hold no non-empty "
-            f"{d.text_field!r} documents. Point data.train at shards with text"
-        )
-    tokenizer_json, tokenizer_uri = _tokenizer(config, sample, log)
+    samples = []
+    for src in sources:
+        limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / sum(s.weight for s in sources)))
+        sample = _sample_documents(src.shards, src.text_field, storage, limit)
+        if not sample:
+            where = "data.train" if len(sources) == 1 else f"data source {src.name!r}"
+            raise DataError(
+                f"{where} is empty: its {len(src.shards)} shard(s) hold no non-empty {src.text_field!r} documents. "
+                f"Point it at shards with text"
+            )
+        samples.append(sample)
+    tokenizer_json, tokenizer_uri = _tokenizer(config, [t for sample in samples for t in sample], log)
     tokenizer = tok.load(tokenizer_json, tokenizer_uri)
     tok.eos_id(tokenizer)
     vocab = tokenizer.get_vocab_size()
@@ -50,16 +83,48 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
             f"the tokenizer has {vocab} tokens but model.vocab_size is {config.model.vocab_size}; "
             f"set model.vocab_size to at least {vocab}"
         )
-    sample_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample[:256], add_special_tokens=False))
-    if sample_tokens < d.seq_len + 1 and len(sample) < d.tokenizer_sample_docs:
-        raise DataError(
-            f"data.train holds about {sample_tokens} tokens, fewer than one sequence of data.seq_len + 1 = "
-            f"{d.seq_len + 1}; add data or lower data.seq_len"
+    total_weight = sum(s.weight for s in sources)
+    plans = []
+    for index, (src, sample) in enumerate(zip(sources, samples, strict=True)):
+        sample_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample[:256], add_special_tokens=False))
+        if sample_tokens < d.seq_len + 1 and len(sample) < d.tokenizer_sample_docs * src.weight / total_weight:
+            raise DataError(
+                f"data source {src.name!r} holds about {sample_tokens} tokens, fewer than one sequence of "
+                f"data.seq_len + 1 = {d.seq_len + 1}; add data or lower data.seq_len"
+            )
+        share = src.weight / total_weight
+        plans.append(
+            SourcePlan(
+                name=src.name,
+                shards=src.shards,
+                weight=src.weight,
+                text_field=src.text_field,
+                storage=storage,
+                tokenizer_json=tokenizer_json,
+                seq_len=d.seq_len,
+                seed=config.train.seed,
+                index=index,
+                epochs_per_pass=_epochs_per_pass(config, src.shards, sample, sample_tokens, share),
+                on_bad_shard=d.on_bad_shard,
+            )
         )
-    epochs = _epochs_to_list(config, train_shards, sample, sample_tokens)
-    common = dict(text_field=d.text_field, storage=storage, tokenizer_json=tokenizer_json, seq_len=d.seq_len)
-    train = StreamPlan(shards=train_shards, seed=config.train.seed, epochs=epochs, **common)
-    val = StreamPlan(shards=val_shards, seed=0, epochs=1, shuffle=False, **common) if val_shards else None
+    train = StreamPlan(sources=plans, window=d.shuffle_window, seed=config.train.seed)
+    val = None
+    if val_shards:
+        val_source = SourcePlan(
+            name="val",
+            shards=val_shards,
+            weight=1.0,
+            text_field=d.text_field,
+            storage=storage,
+            tokenizer_json=tokenizer_json,
+            seq_len=d.seq_len,
+            seed=0,
+            shuffle=False,
+            repeat=False,
+            on_bad_shard=d.on_bad_shard,
+        )
+        val = StreamPlan(sources=[val_source], window=d.shuffle_window, seed=0)
     return DataPlans(train=train, val=val, tokenizer_uri=tokenizer_uri, vocab_size=vocab)
 
 
@@ -75,8 +140,13 @@ def train_tokenizer(
     """Train a byte-level BPE on a sample streamed from ``data.train`` and save it at ``output``."""
     d = config.data
     _ensure_demo(config, print)
-    shards = expand_shards(d.train, d.storage, "data.train")
-    sample = _sample_documents(shards, d.text_field, d.storage, d.tokenizer_sample_docs)
+    sources = _sources(config)
+    total = sum(s.weight for s in sources)
+    sample, shards = [], []
+    for src in sources:
+        limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / total))
+        sample += _sample_documents(src.shards, src.text_field, d.storage, limit)
+        shards += src.shards
     if not sample:
         raise DataError(f"data.train holds no non-empty {d.text_field!r} documents to train a tokenizer on")
     vocab = vocab_size or config.model.vocab_size
@@ -118,8 +188,11 @@ def _tokenizer(config: TrainConfig, sample: list[str], log) -> tuple[str, str]:
     return text, run_copy
 
 
-def _epochs_to_list(config: TrainConfig, shards: list[str], sample: list[str], sample_tokens: int) -> int:
-    """Epochs the stream lists so it outlasts training, estimated from bytes per token."""
+def _epochs_per_pass(
+    config: TrainConfig, shards: list[str], sample: list[str], sample_tokens: int, share: float
+) -> int:
+    """Epochs of a source handed to one Ray Data execution: about what training needs, estimated
+    from bytes per token, so a run rarely pays for starting a second execution."""
     sample_chars = sum(len(t) for t in sample[:256]) or 1
     chars_per_token = sample_chars / max(1, sample_tokens)
     total_bytes = 0
@@ -127,5 +200,5 @@ def _epochs_to_list(config: TrainConfig, shards: list[str], sample: list[str], s
         fs, path = filesystem(uri, config.data.storage)
         total_bytes += fs.size(path) or 0
     tokens_per_epoch = max(1.0, total_bytes / chars_per_token)
-    needed = config.train.max_steps * config.train.global_batch_size * (config.data.seq_len + 1)
-    return max(1, math.ceil(needed / tokens_per_epoch) + 1)
+    needed = share * config.train.max_steps * config.train.global_batch_size * (config.data.seq_len + 1)
+    return max(1, min(100, math.ceil(needed / tokens_per_epoch) + 1))

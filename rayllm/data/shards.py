@@ -105,3 +105,41 @@ def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str
             for text in batch.column(0).to_pylist():
                 if isinstance(text, str) and text:
                     yield text
+
+
+TOKENS_COLUMN = "tokens"
+
+
+def iter_token_documents(uri: str, storage: StorageSettings) -> Iterator[list[int]] | None:
+    """Token ids per document when ``uri`` is a pre-tokenised parquet shard (a ``tokens`` column), else None.
+
+    ``rayllm prepare`` writes such shards; the trainer streams them without a tokenizer.
+    """
+    if not uri.lower().endswith(".parquet"):
+        return None
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem(uri, storage)
+    try:
+        with fs.open(path, "rb") as f:
+            names = pq.ParquetFile(f).schema_arrow.names
+    except Exception:
+        return None  # unreadable: the text reader raises the error that names the shard
+    if TOKENS_COLUMN not in names:
+        return None
+    return _token_lists(fs, path, uri)
+
+
+def _token_lists(fs, path: str, uri: str) -> Iterator[list[int]]:
+    import pyarrow.parquet as pq
+
+    try:
+        with fs.open(path, "rb") as f:
+            for batch in pq.ParquetFile(f).iter_batches(columns=[TOKENS_COLUMN], batch_size=1024):
+                for ids in batch.column(0).to_pylist():
+                    if ids:
+                        yield ids
+    except FileNotFoundError:
+        raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
+    except Exception as e:
+        raise DataError(f"shard {uri} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None

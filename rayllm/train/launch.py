@@ -16,7 +16,6 @@ from typing import Any
 import yaml
 
 from rayllm.config import TrainConfig
-from rayllm.data.pipeline import ray_dataset
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
@@ -40,6 +39,8 @@ class TrainResult:
     seconds: float = 0.0
     seconds_to_first_step: float | None = None
     peak_memory_bytes: int | None = None
+    # The realised mixture and any shards skipped (data.on_bad_shard: skip); also in run.dir/data_report.json.
+    data_report: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -129,26 +130,19 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     write_text(join(config.run.dir, "config.yaml"), resolved, config.data.storage)
     connect_ray(config)
 
-    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
     from rayllm.train.ray_worker import train_loop_per_worker
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
-    datasets = {"train": ray_dataset(plans.train, config.data.tokenize_tasks)}
-    if plans.val is not None:
-        datasets["val"] = ray_dataset(plans.val, 1)
     monitor = RunMonitor(config, quiet=quiet)
     records: Queue = Queue(actor_options={"num_cpus": 0})
     storage_path, name, fs = _storage(config)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "queue": records, "has_val": plans.val is not None},
+        train_loop_config={"config": config.to_dict(), "queue": records, "plans": plans},
         scaling_config=ray.train.ScalingConfig(
             num_workers=lo if lo == hi else (lo, hi),
             use_gpu=config.cluster.use_gpu,
@@ -166,11 +160,6 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             # Progress reaches the driver through the monitor; Ray Train's per-report lines are noise.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": _thread_env(config)},
-        ),
-        datasets=datasets,
-        dataset_config=ray.train.DataConfig(
-            datasets_to_split=[],  # every rank reads the ordered stream and keeps its slice
-            execution_options=ray.data.ExecutionOptions(preserve_order=True),
         ),
     )
     stop = threading.Event()
@@ -223,6 +212,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         seconds=time.time() - started,
         seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
         peak_memory_bytes=metrics.get("peak_memory_bytes"),
+        data_report=monitor.data_report(),
         history=monitor.history,
     )
     if not quiet:
@@ -248,6 +238,12 @@ def format_summary(r: TrainResult) -> str:
         f"  checkpoint      {r.checkpoint}",
         f"  run dir         {r.run_dir}",
     ]
+    mixture = r.data_report.get("mixture") or {}
+    if len(mixture) > 1:
+        lines.append("  mixture         " + ", ".join(f"{name} {share:.1%}" for name, share in mixture.items()))
+    skipped = r.data_report.get("skipped_shards") or []
+    if skipped:
+        lines.append(f"  skipped shards  {len(skipped)} (listed in {r.run_dir}/data_report.json)")
     if r.aim_run_hash:
         lines.append(f"  aim run         {r.aim_run_hash} in {r.aim_repo}  (view: aim up --repo {r.aim_repo})")
     return "\n".join(lines)

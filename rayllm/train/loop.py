@@ -26,7 +26,9 @@ import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.pipeline import ID_FIELDS, prefetched, rank_batches, window_shuffled
+from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
+from rayllm.data.prefetch import prefetched
+from rayllm.data.source import ID_FIELDS
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
 from rayllm.train.schedule import lr_at
@@ -39,9 +41,12 @@ class Session(Protocol):
     world_size: int
     device: torch.device
 
-    def train_chunks(self) -> Callable[[], Iterator[np.ndarray]]: ...
+    train_plan: StreamPlan
+    val_plan: StreamPlan | None
 
-    def val_chunks(self) -> Callable[[], Iterator[np.ndarray]] | None: ...
+    def train_batches(self, state: DataState, consumed: int) -> Iterator[tuple[np.ndarray, DataState]]:
+        """This rank's rows of each global batch from ``consumed`` on, with the data state after each."""
+        ...
 
     def restore_dir(self) -> contextlib.AbstractContextManager[str | None]: ...
 
@@ -94,6 +99,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
+        self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
+        self.source_counts = np.zeros(len(session.train_plan.sources), dtype=np.int64)  # this rank's, per source
+        self.source_counts_before = np.zeros_like(self.source_counts)  # all ranks', before this attempt
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
         self._val_rows: list[np.ndarray] | None = None
@@ -106,13 +114,19 @@ class Trainer:
                 return
             state = checkpoint.load(directory, self.model, self.optimizer)
         self.step, self.consumed = state["step"], state["consumed"]
+        self.data_state = DataState.from_dict(state.get("data"))
+        counts = state.get("source_counts") or []
+        if len(counts) == len(self.source_counts):
+            self.source_counts_before = np.asarray(counts, dtype=np.int64)
         self.last_metrics = state.get("metrics", {})
         self.restarts = state.get("restarts", 0) + 1
 
-    def _state(self, metrics: dict[str, Any]) -> dict[str, Any]:
+    def _state(self, metrics: dict[str, Any], source_counts: list[int]) -> dict[str, Any]:
         return {
             "step": self.step,
             "consumed": self.consumed,
+            "data": self.data_state.to_dict(),
+            "source_counts": source_counts,
             "metrics": metrics,
             "restarts": self.restarts,
             "world_size": self.session.world_size,
@@ -137,6 +151,7 @@ class Trainer:
         t = self.config.train
         if self.config.data.record_ids:
             self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
+        self.source_counts += np.bincount(rows["source"], minlength=len(self.source_counts))
         tokens = np.ascontiguousarray(rows["tokens"])
         batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
         micro = batch.split(t.micro_batch_size)
@@ -160,20 +175,17 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float | None:
-        source = self.session.val_chunks()
-        if source is None:
+        plan = self.session.val_plan
+        if plan is None:
             return None
         t = self.config.train
         if self._val_rows is None:
-            batches = rank_batches(
-                window_shuffled(source, self.config.data.shuffle_window, seed=0),
-                start=0,
-                global_batch=t.global_batch_size,
-                rank=self.session.rank,
-                world_size=self.session.world_size,
-                repeat=False,
-            )
-            self._val_rows = [b for _, b in zip(range(t.val_batches), batches, strict=False)]
+            # Validation data is small (val_batches x global batch): each rank reads it in-process.
+            batches = local_stream(plan, global_batch=t.global_batch_size)
+            self._val_rows = [
+                rank_slice(rows, self.session.rank, self.session.world_size)
+                for _, (rows, _) in zip(range(t.val_batches), batches, strict=False)
+            ]
         self.model.eval()
         total, count = 0.0, 0
         for rows in self._val_rows:
@@ -210,16 +222,7 @@ class Trainer:
                     "accum_steps": self.accum,
                 }
             )
-        batches = prefetched(
-            rank_batches(
-                window_shuffled(session.train_chunks(), self.config.data.shuffle_window, seed=t.seed),
-                start=self.consumed,
-                global_batch=t.global_batch_size,
-                rank=session.rank,
-                world_size=session.world_size,
-                repeat=True,
-            )
-        )
+        batches = prefetched(session.train_batches(self.data_state, self.consumed))
         if self.step == 0:
             val = self.validate()
             if rank0 and val is not None:
@@ -228,11 +231,16 @@ class Trainer:
         window_start = time.perf_counter()
         metrics: dict[str, Any] = dict(self.last_metrics)
         first = True
+        skips_reported = len(self.data_state.skipped)
         while self.step < end:
             wait_start = time.perf_counter()
-            rows = next(batches)
+            rows, data_state = next(batches)
             window_wait += time.perf_counter() - wait_start
             loss, grad_norm = self.train_step(rows)
+            self.data_state = data_state
+            if rank0 and len(data_state.skipped) > skips_reported:
+                session.emit({"kind": "skipped", "step": self.step, "shards": data_state.skipped[skips_reported:]})
+                skips_reported = len(data_state.skipped)
             if rank0 and first:
                 session.emit({"kind": "first_step", "step": self.step})
             first = False
@@ -243,7 +251,8 @@ class Trainer:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - window_start
-                loss_sum, wait_sum = _all_sum([window_loss, window_wait], self.device)
+                loss_sum, wait_sum, *counts = _all_sum([window_loss, window_wait, *self.source_counts], self.device)
+                mixture = self._mixture(counts)
                 tps = tokens_per_step * window_steps / elapsed
                 metrics.update(
                     {
@@ -259,10 +268,11 @@ class Trainer:
                         "peak_memory_bytes": _peak_memory(self.device),
                         "world_size": session.world_size,
                         "restarts": self.restarts,
+                        "skipped_shards": len(self.data_state.skipped),
                     }
                 )
                 if rank0:
-                    session.emit({"kind": "train", **metrics})
+                    session.emit({"kind": "train", **metrics, "mixture": mixture})
                 window_loss, window_steps, window_wait = 0.0, 0, 0.0
             if self.step % t.val_every == 0 or last:
                 val = self.validate()
@@ -271,9 +281,20 @@ class Trainer:
                     if rank0:
                         session.emit({"kind": "val", "step": self.step, "val_loss": val})
             if self.step % t.checkpoint_every == 0 or last:
-                state = self._state(metrics)
+                counts = _all_sum([float(c) for c in self.source_counts], self.device)
+                total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
+                state = self._state(metrics, total_counts)
                 session.save(self.step, metrics, write=lambda d, s=state: self._write_checkpoint(d, s))
             if self.step % t.log_every == 0 or last:
                 window_start = time.perf_counter()
         self.last_metrics = metrics
+        close = getattr(session, "close", None)
+        if close is not None:
+            close()
         return metrics
+
+    def _mixture(self, counts_this_attempt: list[float]) -> dict[str, float]:
+        """The realised share of each source among all sequences trained on so far."""
+        totals = self.source_counts_before + np.asarray(counts_this_attempt, dtype=np.int64)
+        whole = max(1, int(totals.sum()))
+        return {src.name: int(n) / whole for src, n in zip(self.session.train_plan.sources, totals, strict=True)}

@@ -27,7 +27,9 @@ TRAIN_METRICS = (
     "peak_memory_bytes",
     "world_size",
     "restarts",
+    "skipped_shards",
 )
+DATA_REPORT = "data_report.json"
 
 
 def _duration(seconds: float) -> str:
@@ -48,6 +50,8 @@ class RunMonitor:
         self.history: list[dict[str, Any]] = []
         self.val_loss: float | None = None
         self.initial_val_loss: float | None = None
+        self.mixture: dict[str, float] = {}
+        self.skipped: list[dict[str, Any]] = []
         self._local_log = None
         if not is_remote(config.run.dir):
             os.makedirs(config.run.dir, exist_ok=True)
@@ -83,6 +87,10 @@ class RunMonitor:
             self.first_step_at = record["time"]
         elif kind == "train":
             self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
+            self.mixture = record.get("mixture") or {}
+            if len(self.mixture) > 1:
+                for source, share in self.mixture.items():
+                    self.tracker.log_metrics({"mixture": share}, step, "train", source=source)
             total = self.config.train.max_steps
             eta = (total - step) * record["step_time_s"]
             self.say(
@@ -95,10 +103,24 @@ class RunMonitor:
                 self.initial_val_loss = record["val_loss"]
             self.tracker.log_metrics({"val_loss": record["val_loss"]}, step, "val")
             self.say(f"[rayllm] step {step} | val loss {record['val_loss']:.4f}")
+        elif kind == "skipped":
+            for entry in record["shards"]:
+                self.skipped.append(entry)
+                print(f"[rayllm] warning: skipped shard {entry['uri']}: {entry['error']}", file=sys.stderr, flush=True)
         elif kind == "done":
             self.val_loss = record.get("val_loss", self.val_loss)
 
+    def data_report(self) -> dict[str, Any]:
+        """What the run's data was: the realised mixture and the shards skipped (with data.on_bad_shard: skip)."""
+        return {"mixture": self.mixture, "skipped_shards": self.skipped}
+
     def close(self) -> None:
+        if self.history:
+            try:
+                text = json.dumps(self.data_report(), indent=2)
+                write_text(join(self.config.run.dir, DATA_REPORT), text, self.config.data.storage)
+            except Exception as e:  # a report is never worth failing a finished run over
+                print(f"[rayllm] warning: could not write {DATA_REPORT}: {e}", file=sys.stderr)
         self.tracker.close()
         if self._local_log:
             self._local_log.close()

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from rayllm.config import TrainConfig
-from rayllm.data.pipeline import ray_chunks
+from rayllm.data.order import DataState
+from rayllm.data.ray_stream import served_batches, start_server
 from rayllm.train.loop import Trainer
 
 
 class RaySession:
-    def __init__(self, queue, has_val: bool):
+    def __init__(self, config: TrainConfig, queue, plans):
         import ray.train
 
         self._train = ray.train
@@ -24,7 +25,9 @@ class RaySession:
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self._queue = queue if self.rank == 0 else None
-        self._has_val = has_val
+        self.config = config
+        self.train_plan, self.val_plan = plans.train, plans.val
+        self._server = None
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -33,11 +36,35 @@ class RaySession:
         else:
             self.device = torch.device("cpu")
 
-    def train_chunks(self):
-        return ray_chunks(self._train.get_dataset_shard("train"))
+    def train_batches(self, state: DataState, consumed: int):
+        """Rank 0 starts this attempt's stream server; every rank then pulls its slices from it."""
+        import uuid
 
-    def val_chunks(self):
-        return ray_chunks(self._train.get_dataset_shard("val")) if self._has_val else None
+        import ray
+        import torch.distributed as dist
+
+        name = [f"rayllm-stream-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
+        if self.rank == 0:
+            self._server = start_server(
+                self.train_plan,
+                state,
+                consumed=consumed,
+                global_batch=self.config.train.global_batch_size,
+                world_size=self.world_size,
+                parallelism=self.config.data.tokenize_tasks,
+                name=name[0],
+            )
+        if self.world_size > 1:
+            dist.broadcast_object_list(name, src=0)
+        server = self._server if self.rank == 0 else ray.get_actor(name[0])
+        return served_batches(server, self.rank)
+
+    def close(self) -> None:
+        if self._server is not None:
+            import ray
+
+            ray.kill(self._server)
+            self._server = None
 
     def restore_dir(self):
         ckpt = self._train.get_checkpoint()
@@ -77,5 +104,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
-    session = RaySession(loop_config["queue"], loop_config["has_val"])
+    session = RaySession(config, loop_config["queue"], loop_config["plans"])
     Trainer(config, session).fit()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rayllm.config import TrainConfig
-from rayllm.data.pipeline import local_stream
+from rayllm.data.order import DataState, local_stream, rank_slice
 from rayllm.data.plan import DataPlans, prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
@@ -38,12 +38,14 @@ class LocalSession:
         else:
             self.device = torch.device("cpu")
         self.run_dir = os.path.abspath(config.run.dir)
+        self.train_plan, self.val_plan = plans.train, plans.val
 
-    def train_chunks(self):
-        return lambda: local_stream(self.plans.train)
-
-    def val_chunks(self):
-        return (lambda: local_stream(self.plans.val)) if self.plans.val else None
+    def train_batches(self, state: DataState, consumed: int):
+        """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
+        stream = local_stream(
+            self.train_plan, state, consumed=consumed, global_batch=self.config.train.global_batch_size
+        )
+        return ((rank_slice(rows, self.rank, self.world_size), meta) for rows, meta in stream)
 
     def checkpoints(self) -> list[str]:
         found = glob.glob(os.path.join(self.run_dir, "checkpoint_[0-9]*"))

@@ -1,0 +1,139 @@
+"""``rayllm bench data``: the whole data pipeline's tokens/s against raw ``encode_batch``.
+
+Both sides see the same text: every shard of ``data.train`` once. The baseline runs
+``tokenizers`` ``encode_batch`` in one process on one thread (RAYON_NUM_THREADS=1, set
+before the library starts its pool, hence a subprocess) and, for reference, on all
+threads. The pipeline is rayllm's own Ray path: Ray Data tasks read, tokenize and pack,
+and the global stream mixes, shuffles and cuts global batches, consumed here as fast as
+it comes. The ratio per core is (pipeline tokens/s / CPUs) / (one-thread tokens/s), with the
+pipeline's task workers warmed up first (as in a running job) and everything else,
+including the first shuffle window's fill, inside the measured time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from rayllm.config import TrainConfig
+from rayllm.data.order import DataState, StreamPlan, open_stream
+from rayllm.data.plan import prepare_data
+from rayllm.data.source import ENCODE_GROUP
+
+_RAW_SCRIPT = r"""
+import itertools, json, sys, time
+from tokenizers import Tokenizer
+from rayllm.config import StorageSettings
+from rayllm.data.shards import iter_documents
+args = json.loads(sys.stdin.read())
+storage = StorageSettings(**args["storage"])
+docs = [t for uri in args["shards"] for t in iter_documents(uri, args["text_field"], storage)] * args["epochs"]
+tokenizer = Tokenizer.from_str(args["tokenizer_json"])
+start = time.perf_counter()
+tokens = 0
+for i in range(0, len(docs), args["group"]):
+    tokens += sum(len(e.ids) for e in tokenizer.encode_batch(docs[i : i + args["group"]], add_special_tokens=False))
+seconds = time.perf_counter() - start
+print(json.dumps({"tokens": tokens, "seconds": seconds, "chars": sum(map(len, docs)), "docs": len(docs)}))
+"""
+
+
+def raw_encode(plan: StreamPlan, threads: int | None, epochs: int) -> dict[str, Any]:
+    """encode_batch over every training document, in a fresh process with ``threads`` tokenizer threads."""
+    src = plan.sources[0]
+    args = {
+        "shards": [u for s in plan.sources for u in s.shards],
+        "text_field": src.text_field,
+        "storage": dataclasses.asdict(src.storage),
+        "tokenizer_json": src.tokenizer_json,
+        "group": ENCODE_GROUP,
+        "epochs": epochs,
+    }
+    env = dict(os.environ)
+    if threads:
+        env["RAYON_NUM_THREADS"] = str(threads)
+    else:
+        env.pop("RAYON_NUM_THREADS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _RAW_SCRIPT], input=json.dumps(args), env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def pipeline(plan: StreamPlan, cpus: int, global_batch: int, epochs: int) -> dict[str, Any]:
+    """The Ray path over ``epochs`` epochs of every source, consumed as fast as it is produced."""
+    from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+
+    configure_ray_data()
+    # The shard list repeated ``epochs`` times, read as one pass: the same text as the baseline.
+    one_pass = dataclasses.replace(
+        plan,
+        sources=[
+            dataclasses.replace(s, shards=s.shards * epochs, repeat=False, epochs_per_pass=1) for s in plan.sources
+        ],
+    )
+    chunks = ray_chunks(parallelism=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})
+    start = time.perf_counter()
+    first = None
+    rows = 0
+    for batch, _ in open_stream(one_pass, DataState(), consumed=0, global_batch=global_batch, chunks=chunks):
+        if first is None:
+            first = time.perf_counter() - start
+        rows += len(batch)
+    seconds = time.perf_counter() - start
+    seq = plan.sources[0].seq_len + 1
+    return {
+        "tokens": rows * seq,
+        "seconds": seconds,
+        "seconds_to_first_batch": first,
+    }
+
+
+def run(config: TrainConfig, cpus: int, epochs: int = 3) -> dict[str, Any]:
+    plans = prepare_data(config, log=lambda *_: None)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="WARNING")
+    one = raw_encode(plans.train, threads=1, epochs=epochs)
+    many = raw_encode(plans.train, threads=None, epochs=epochs)
+    # Warm-up: start the task workers and load their tokenizers, as a running job already has.
+    warm = dataclasses.replace(
+        plans.train, sources=[dataclasses.replace(s, shards=s.shards[:cpus]) for s in plans.train.sources]
+    )
+    pipeline(warm, cpus, config.train.global_batch_size, 1)
+    pipe = pipeline(plans.train, cpus, config.train.global_batch_size, epochs)
+    one_tps = one["tokens"] / one["seconds"]
+    pipe_tps = pipe["tokens"] / pipe["seconds"]
+    return {
+        "cpus": cpus,
+        "text_mb": one["chars"] / 1e6,
+        "documents": one["docs"],
+        "raw_tokens": one["tokens"],
+        "raw_1_thread_tokens_per_s": one_tps,
+        "raw_all_threads_tokens_per_s": many["tokens"] / many["seconds"],
+        "pipeline_tokens": pipe["tokens"],
+        "pipeline_tokens_per_s": pipe_tps,
+        "pipeline_seconds_to_first_batch": pipe["seconds_to_first_batch"],
+        "ratio_per_core": pipe_tps / cpus / one_tps,
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"[rayllm bench data] {r['text_mb']:.1f} MB of text ({r['documents']} documents), {r['cpus']} CPU(s)",
+            f"  raw encode_batch, 1 thread      {r['raw_1_thread_tokens_per_s']:>12,.0f} tokens/s",
+            f"  raw encode_batch, all threads   {r['raw_all_threads_tokens_per_s']:>12,.0f} tokens/s",
+            f"  rayllm pipeline, {r['cpus']} CPU(s)        {r['pipeline_tokens_per_s']:>12,.0f} tokens/s"
+            f"  (first batch after {r['pipeline_seconds_to_first_batch']:.1f} s)",
+            f"  ratio per core                  {r['ratio_per_core']:>12.2f}  (goal >= 0.8)",
+        ]
+    )
