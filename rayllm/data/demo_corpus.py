@@ -25,7 +25,10 @@ def stdlib_modules() -> list[Path]:
 
 def is_demo_path(spec: str | list[str] | None) -> bool:
     paths = [spec] if isinstance(spec, str) else list(spec or [])
-    return bool(paths) and all(os.path.normpath(p).startswith(os.path.normpath(DEMO_ROOT)) for p in paths)
+    root = os.path.normpath(DEMO_ROOT)
+    return bool(paths) and all(
+        os.path.normpath(p) == root or os.path.normpath(p).startswith(root + os.sep) for p in paths
+    )
 
 
 def ensure_demo_corpus(root: str = DEMO_ROOT) -> bool:
