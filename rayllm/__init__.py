@@ -13,14 +13,14 @@ __all__ = ["ConfigError", "DataError", "RayllmError", "TrainConfig", "TrainResul
 
 def train(config: TrainConfig, *, quiet: bool = False):
     """Train as ``config`` says; returns a TrainResult (final metrics, latest checkpoint)."""
-    from rayllm.train.launch import train as _train
+    from rayllm.trainer.launch import train as _train
 
     return _train(config, quiet=quiet)
 
 
 def __getattr__(name):
     if name == "TrainResult":
-        from rayllm.train.launch import TrainResult
+        from rayllm.trainer.launch import TrainResult
 
         return TrainResult
     raise AttributeError(name)

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"from {info['shards']} shard(s), saved to {info['output']}"
             )
             return 0
-        from rayllm.train.launch import format_summary, train
+        from rayllm.trainer.launch import format_summary, train
 
         result = train(config, quiet=args.quiet)
         if args.quiet:

@@ -54,6 +54,13 @@ def full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return path if protocol in ("file", "local") else f"{protocol}://{path}"
 
 
+def _is_hidden(found: str, folder: str) -> bool:
+    """Files or folders named ``_*`` or ``.*`` inside a shard folder are metadata, not shards
+    (the convention of Spark, Hadoop and pyarrow datasets): ``_report.json``, ``_tokenizer.json``."""
+    relative = found[len(folder.rstrip("/")) :].strip("/")
+    return any(part.startswith(("_", ".")) for part in relative.split("/"))
+
+
 def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) -> list[str]:
     """Every shard named by a path, glob, folder or list of them, as sorted full URIs."""
     specs = [spec] if isinstance(spec, str) else list(spec)
@@ -66,7 +73,7 @@ def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) ->
             if any(ch in path for ch in "*?["):
                 found = [p for p in fs.glob(path) if fs.isfile(p)]
             elif fs.isdir(path):
-                found = [p for p in fs.find(path) if p.endswith(SHARD_SUFFIXES)]
+                found = [p for p in fs.find(path) if p.endswith(SHARD_SUFFIXES) and not _is_hidden(p, path)]
             elif fs.isfile(path):
                 found = [path]
             else:

@@ -58,3 +58,10 @@ def test_credentials_are_redacted_from_the_recorded_config():
     text = str(config.redacted())
     assert "AKIAXYZ" not in text and "hunter2" not in text
     assert config.data.storage.secret == "hunter2"  # still there for the workers
+
+
+def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():
+    import rayllm
+    import rayllm.trainer.launch  # noqa: F401  (what a first train() call imports)
+
+    assert callable(rayllm.train) and rayllm.train.__module__ == "rayllm"

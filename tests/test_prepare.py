@@ -132,7 +132,7 @@ def write_shards(folder, shards) -> list:
 
 
 def read_parquet_folder(fs, folder: str) -> pa.Table:
-    """The folder's parquet files in name order, as one table (report.json lies beside them)."""
+    """The folder's parquet files in name order, as one table (_report.json lies beside them)."""
     files = sorted(p for p in fs.ls(folder, detail=False) if p.endswith(".parquet"))
     return pa.concat_tables([pq.read_table(fs.open(p, "rb")) for p in files])
 
@@ -202,7 +202,7 @@ def test_prepare_report_counts_match_the_planted_documents(local_run):
     check_report_counts(report, expected)
     assert report["token_unit"].startswith("tokens of")
     assert report["bad_shards"] == {"count": 0, "shards": []}
-    saved = json.loads((Path(config.output.path) / "report.json").read_text())
+    saved = json.loads((Path(config.output.path) / "_report.json").read_text())
     assert saved == json.loads(json.dumps(report))
 
 
@@ -257,7 +257,7 @@ def test_prepare_on_s3_skips_a_bad_shard_and_names_it(ray_local, s3_server, corp
     assert report["input"]["shards"] == SHARDS + 1
     assert report["token_unit"] == "whitespace-separated words"
     check_report_counts(report, expected)
-    saved = json.loads(fs.cat("prepare-test/clean/report.json"))
+    saved = json.loads(fs.cat("prepare-test/clean/_report.json"))
     assert saved["bad_shards"] == report["bad_shards"]
     assert saved["config"]["storage"]["secret"] == "<redacted>"
 
@@ -390,3 +390,63 @@ def test_minhash_estimates_jaccard_and_clusters_keep_the_lowest_id():
 
 def test_document_ids_round_trip():
     assert split_id(document_id(3, 17)) == (3, 17)
+
+
+def _train_config(data_path: str, run_dir: Path, *extra: str):
+    from conftest import TEST_MODEL
+
+    from rayllm import TrainConfig
+
+    overrides = [*TEST_MODEL, f"data.train={data_path}", "data.val=null", f"run.dir={run_dir}", *extra]
+    return TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, "data.demo_corpus=false"])
+
+
+def test_trainer_streams_pre_tokenised_shards_exactly_as_the_text_they_came_from(local_run, tokenizer_path, tmp_path):
+    """The token folder needs no data.tokenizer (prepare leaves ``_tokenizer.json`` beside it),
+    the text folder's ``_report.json`` is not taken for a shard, and both give the same rows."""
+    from rayllm.data.order import local_stream
+    from rayllm.data.plan import prepare_data
+
+    config, _, _ = local_run
+    text_cfg = _train_config(config.output.path, tmp_path / "text", f"data.tokenizer={tokenizer_path}")
+    token_cfg = _train_config(config.tokens_output, tmp_path / "tokens")
+    text_plan = prepare_data(text_cfg, log=lambda *_: None)
+    token_plan = prepare_data(token_cfg, log=lambda *_: None)
+    assert token_plan.tokenizer_uri.endswith("_tokenizer.json")
+    assert (tmp_path / "tokens" / "tokenizer.json").read_text() == Path(tokenizer_path).read_text()  # run copy
+    assert len(text_plan.train.sources[0].shards) == len(token_plan.train.sources[0].shards) == 3
+    batches = 0
+    for (a, _), (b, _) in zip(
+        local_stream(text_plan.train, global_batch=8), local_stream(token_plan.train, global_batch=8), strict=True
+    ):
+        assert np.array_equal(a["tokens"], b["tokens"])
+        assert a[["epoch", "shard", "index"]].tolist() == b[["epoch", "shard", "index"]].tolist()
+        batches += 1
+        if batches == 40:  # past the first epoch of this small corpus
+            break
+    assert batches == 40
+
+
+def test_pre_tokenised_shards_without_their_tokenizer_are_a_clear_error(local_run, tmp_path):
+    import shutil
+
+    from rayllm.data.plan import prepare_data
+
+    config, _, _ = local_run
+    copy = tmp_path / "tokens"
+    shutil.copytree(config.tokens_output, copy, ignore=shutil.ignore_patterns("_*"))
+    with pytest.raises(DataError, match=r"pre-tokenised .* set data.tokenizer"):
+        prepare_data(_train_config(str(copy), tmp_path / "run"), log=lambda *_: None)
+
+
+def test_training_runs_on_pre_tokenised_shards(local_run, tmp_path):
+    from rayllm import train
+
+    config, _, _ = local_run
+    cfg = _train_config(
+        config.tokens_output, tmp_path / "run", "train.max_steps=3", "cluster.num_workers=1", "tracking.enabled=false"
+    )
+    result = train(cfg, quiet=True)
+    assert result.step == 3
+    assert result.tokens == 3 * 8 * 64
+    assert np.isfinite(result.loss)

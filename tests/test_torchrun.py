@@ -22,7 +22,7 @@ def torchrun(nproc: int, overrides: list[str]) -> list[dict]:
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         "-m",
-        "rayllm.train.torchrun",
+        "rayllm.trainer.torchrun",
         "configs/tiny.yaml",
         *overrides,
     ]

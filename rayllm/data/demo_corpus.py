@@ -23,8 +23,10 @@ def stdlib_modules() -> list[Path]:
     return [p for p in sorted(root.rglob("*.py")) if not _SKIP_PARTS.intersection(p.relative_to(root).parts)]
 
 
-def is_demo_path(spec: str | list[str] | None) -> bool:
-    paths = [spec] if isinstance(spec, str) else list(spec or [])
+def is_demo_path(spec) -> bool:
+    """True when every path in ``spec`` (a path, a list of paths or of sources) is inside the demo corpus."""
+    items = [spec] if isinstance(spec, str) else list(spec or [])
+    paths = [item if isinstance(item, str) else getattr(item, "path", "") for item in items]
     root = os.path.normpath(DEMO_ROOT)
     return bool(paths) and all(
         os.path.normpath(p) == root or os.path.normpath(p).startswith(root + os.sep) for p in paths

@@ -15,12 +15,13 @@ from rayllm.config import SourceSettings, TrainConfig
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.order import StreamPlan
-from rayllm.data.shards import iter_documents
+from rayllm.data.shards import iter_documents, iter_token_documents
 from rayllm.data.source import SourcePlan
 from rayllm.errors import DataError
 from rayllm.storage import expand_shards, filesystem, join, read_text, write_text
 
 TOKENIZER_FILE = "tokenizer.json"
+SHARD_TOKENIZER_FILE = "_tokenizer.json"  # beside pre-tokenised shards: the tokenizer that made them
 SAMPLE_CHAR_LIMIT = 20_000_000
 
 
@@ -38,6 +39,7 @@ class _Source:
     shards: list[str]
     weight: float
     text_field: str
+    pretokenized: bool = False  # parquet shards with a ``tokens`` column (rayllm prepare's tokenize)
 
 
 def _sources(config: TrainConfig) -> list[_Source]:
@@ -45,7 +47,8 @@ def _sources(config: TrainConfig) -> list[_Source]:
     d = config.data
     specs = d.train if isinstance(d.train, list) and d.train and isinstance(d.train[0], SourceSettings) else None
     if specs is None:
-        return [_Source("train", expand_shards(d.train, d.storage, "data.train"), 1.0, d.text_field)]
+        shards = expand_shards(d.train, d.storage, "data.train")
+        return [_Source("train", shards, 1.0, d.text_field, _pretokenized(shards, d.storage))]
     sources, names = [], set()
     for i, spec in enumerate(specs):
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
@@ -54,8 +57,13 @@ def _sources(config: TrainConfig) -> list[_Source]:
             name = f"{name}-{i}"
         names.add(name)
         shards = expand_shards(spec.path, d.storage, f"data.train[{i}].path")
-        sources.append(_Source(name, shards, spec.weight, spec.text_field or d.text_field))
+        text_field = spec.text_field or d.text_field
+        sources.append(_Source(name, shards, spec.weight, text_field, _pretokenized(shards, d.storage)))
     return sources
+
+
+def _pretokenized(shards: list[str], storage) -> bool:
+    return iter_token_documents(shards[0], storage) is not None
 
 
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
@@ -66,15 +74,16 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     samples = []
     for src in sources:
         limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / sum(s.weight for s in sources)))
-        sample = _sample_documents(src.shards, src.text_field, storage, limit)
+        sample = _sample_documents(src.shards, src.text_field, storage, limit, src.pretokenized)
         if not sample:
             where = "data.train" if len(sources) == 1 else f"data source {src.name!r}"
+            what = "token" if src.pretokenized else f"non-empty {src.text_field!r}"
             raise DataError(
-                f"{where} is empty: its {len(src.shards)} shard(s) hold no non-empty {src.text_field!r} documents. "
-                f"Point it at shards with text"
+                f"{where} is empty: its {len(src.shards)} shard(s) hold no {what} documents. Point it at shards with text"
             )
         samples.append(sample)
-    tokenizer_json, tokenizer_uri = _tokenizer(config, [t for sample in samples for t in sample], log)
+    text_sample = [t for src, sample in zip(sources, samples, strict=True) if not src.pretokenized for t in sample]
+    tokenizer_json, tokenizer_uri = _tokenizer(config, text_sample, log, sources)
     tokenizer = tok.load(tokenizer_json, tokenizer_uri)
     tok.eos_id(tokenizer)
     vocab = tokenizer.get_vocab_size()
@@ -86,7 +95,11 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
     total_weight = sum(s.weight for s in sources)
     plans = []
     for index, (src, sample) in enumerate(zip(sources, samples, strict=True)):
-        sample_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample[:256], add_special_tokens=False))
+        if src.pretokenized:
+            _check_token_ids(src, sample, vocab, tokenizer_uri)
+            sample_tokens = sum(len(ids) for ids in sample[:256])
+        else:
+            sample_tokens = sum(len(e.ids) for e in tokenizer.encode_batch(sample[:256], add_special_tokens=False))
         if sample_tokens < d.seq_len + 1 and len(sample) < d.tokenizer_sample_docs * src.weight / total_weight:
             raise DataError(
                 f"data source {src.name!r} holds about {sample_tokens} tokens, fewer than one sequence of "
@@ -104,7 +117,7 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
                 seq_len=d.seq_len,
                 seed=config.train.seed,
                 index=index,
-                epochs_per_pass=_epochs_per_pass(config, src.shards, sample, sample_tokens, share),
+                epochs_per_pass=_epochs_per_pass(config, src, sample, sample_tokens, share),
                 on_bad_shard=d.on_bad_shard,
             )
         )
@@ -144,6 +157,8 @@ def train_tokenizer(
     total = sum(s.weight for s in sources)
     sample, shards = [], []
     for src in sources:
+        if src.pretokenized:
+            continue  # token ids, no text to learn from
         limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / total))
         sample += _sample_documents(src.shards, src.text_field, d.storage, limit)
         shards += src.shards
@@ -155,32 +170,43 @@ def train_tokenizer(
     return {"output": output, "vocab_size": tokenizer.get_vocab_size(), "documents": len(sample), "shards": len(shards)}
 
 
-def _sample_documents(shards: list[str], text_field: str, storage, limit: int) -> list[str]:
-    """Up to ``limit`` documents taken round-robin from the shards (reads only what it keeps)."""
+def _sample_documents(shards: list[str], text_field: str, storage, limit: int, pretokenized: bool = False) -> list:
+    """Up to ``limit`` documents (texts, or token id lists for pre-tokenised shards) taken
+    round-robin from the shards (reads only what it keeps)."""
     per_shard = max(1, math.ceil(limit / len(shards)))
-    sample: list[str] = []
+    sample: list = []
     chars = 0
     for uri in shards:
-        for text in itertools.islice(iter_documents(uri, text_field, storage), per_shard):
-            sample.append(text)
-            chars += len(text)
+        documents = (iter_token_documents(uri, storage) if pretokenized else None) or iter_documents(
+            uri, text_field, storage
+        )
+        for doc in itertools.islice(documents, per_shard):
+            sample.append(doc)
+            chars += len(doc)
         if len(sample) >= limit or chars >= SAMPLE_CHAR_LIMIT:
             break
     return sample
 
 
-def _tokenizer(config: TrainConfig, sample: list[str], log) -> tuple[str, str]:
-    """The tokenizer JSON and where it is kept: the user's file, the run's own, or a new BPE."""
+def _tokenizer(config: TrainConfig, sample: list[str], log, sources: list[_Source] = ()) -> tuple[str, str]:
+    """The tokenizer JSON and where it is kept: the user's file, the one beside pre-tokenised
+    shards, the run's own, or a new BPE. The run dir keeps a copy, so a run is self-contained."""
     storage = config.data.storage
-    if config.data.tokenizer:
-        text = read_text(config.data.tokenizer, storage)
-        if text is None:
-            raise DataError(f"data.tokenizer {config.data.tokenizer!r} does not exist; give a tokenizer.json path")
-        return text, config.data.tokenizer
     run_copy = join(config.run.dir, TOKENIZER_FILE)
+    found = _given_tokenizer(config, sources)
+    if found is not None:
+        if read_text(run_copy, storage) != found[0]:
+            write_text(run_copy, found[0], storage)
+        return found
     text = read_text(run_copy, storage)
     if text is not None:
         return text, run_copy
+    pretokenized = [s.name for s in sources if s.pretokenized]
+    if pretokenized:
+        raise DataError(
+            f"data source {pretokenized[0]!r} is pre-tokenised (parquet with a 'tokens' column) but no tokenizer "
+            f"came with it: set data.tokenizer to the tokenizer.json that made it (rayllm prepare's tokenize.tokenizer)"
+        )
     log(f"training a byte-level BPE tokenizer (vocab {config.model.vocab_size}) on {len(sample)} documents")
     tokenizer = tok.train_bpe(sample, config.model.vocab_size)
     text = tokenizer.to_str()
@@ -188,17 +214,48 @@ def _tokenizer(config: TrainConfig, sample: list[str], log) -> tuple[str, str]:
     return text, run_copy
 
 
-def _epochs_per_pass(
-    config: TrainConfig, shards: list[str], sample: list[str], sample_tokens: int, share: float
-) -> int:
+def _given_tokenizer(config: TrainConfig, sources) -> tuple[str, str] | None:
+    """data.tokenizer, else the ``_tokenizer.json`` that rayllm prepare left beside pre-tokenised shards."""
+    storage = config.data.storage
+    if config.data.tokenizer:
+        text = read_text(config.data.tokenizer, storage)
+        if text is None:
+            raise DataError(f"data.tokenizer {config.data.tokenizer!r} does not exist; give a tokenizer.json path")
+        return text, config.data.tokenizer
+    for src in sources:
+        if src.pretokenized:
+            beside = posixpath.join(posixpath.dirname(src.shards[0]), SHARD_TOKENIZER_FILE)
+            text = read_text(beside, storage)
+            if text is not None:
+                return text, beside
+    return None
+
+
+def _check_token_ids(src: _Source, sample: list[list[int]], vocab: int, tokenizer_uri: str) -> None:
+    top = max(max(ids) for ids in sample)
+    if top >= vocab:
+        raise DataError(
+            f"data source {src.name!r} holds token id {top} but the tokenizer {tokenizer_uri} has {vocab} tokens: "
+            f"its shards were made with another tokenizer; set data.tokenizer to that one"
+        )
+
+
+def _epochs_per_pass(config: TrainConfig, src: _Source, sample: list, sample_tokens: int, share: float) -> int:
     """Epochs of a source handed to one Ray Data execution: about what training needs, estimated
     from bytes per token, so a run rarely pays for starting a second execution."""
-    sample_chars = sum(len(t) for t in sample[:256]) or 1
-    chars_per_token = sample_chars / max(1, sample_tokens)
     total_bytes = 0
-    for uri in shards:
+    for uri in src.shards:
         fs, path = filesystem(uri, config.data.storage)
         total_bytes += fs.size(path) or 0
-    tokens_per_epoch = max(1.0, total_bytes / chars_per_token)
+    if src.pretokenized:  # bytes per document from the first shard's row count, tokens per document sampled
+        import pyarrow.parquet as pq
+
+        fs, path = filesystem(src.shards[0], config.data.storage)
+        with fs.open(path, "rb") as f:
+            rows = pq.ParquetFile(f).metadata.num_rows
+        bytes_per_token = (fs.size(path) or 1) / max(1, rows) / max(1.0, sample_tokens / max(1, len(sample[:256])))
+    else:
+        bytes_per_token = (sum(len(t) for t in sample[:256]) or 1) / max(1, sample_tokens)
+    tokens_per_epoch = max(1.0, total_bytes / bytes_per_token)
     needed = share * config.train.max_steps * config.train.global_batch_size * (config.data.seq_len + 1)
     return max(1, min(100, math.ceil(needed / tokens_per_epoch) + 1))

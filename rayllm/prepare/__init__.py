@@ -10,7 +10,7 @@ __all__ = ["PrepareConfig", "prepare"]
 
 
 def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict:
-    """Run the prepare job (``rayllm.prepare.job``); returns the report that is also saved as report.json."""
+    """Run the prepare job (``rayllm.prepare.job``); returns the report that is also saved as _report.json."""
     from rayllm.prepare.job import prepare as _prepare
 
     return _prepare(config, quiet=quiet)

@@ -35,7 +35,7 @@ class InputSettings:
 
 @dataclass
 class OutputSettings:
-    """Where the cleaned parquet shards (``id``, ``text``) and report.json go, local or s3://.
+    """Where the cleaned parquet shards (``id``, ``text``) and _report.json go, local or s3://.
 
     Set at most one of ``shard_rows`` (rows per file) and ``num_shards`` (files); with
     neither, files hold up to 50,000 rows. The folder's previous contents are replaced.

@@ -20,7 +20,7 @@ Output, under ``output.path`` (local or s3://):
 
 - ``part-NNNNN.parquet``: columns ``id`` (int64) and ``text`` (string, the normalised
   text), rows in id order. ``data.train`` can point at the folder.
-- ``report.json``: documents and tokens in, removed by each stage, out (see ``prepare``).
+- ``_report.json``: documents and tokens in, removed by each stage, out (see ``prepare``).
 
 Pre-tokenised output, when ``tokenize.tokenizer`` is set, under ``tokenize.output``
 (default ``<output.path>-tokens``): ``part-NNNNN.parquet`` with columns ``id`` (int64) and
@@ -51,6 +51,7 @@ import pyarrow as pa
 from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
+from rayllm.data.plan import SHARD_TOKENIZER_FILE
 from rayllm.data.shards import iter_documents
 from rayllm.errors import DataError
 from rayllm.prepare import dedup
@@ -63,7 +64,7 @@ KEPT = ""
 NORMALIZE_EMPTY = "normalize_empty"
 BAD_SHARD = "bad_shard"
 LABEL_CHUNK = 1000  # documents per labelled table a read task yields
-REPORT_FILE = "report.json"
+REPORT_FILE = "_report.json"
 STAGES = ("exact_duplicates", "near_duplicates")  # removal stages after the filters, in order
 
 LABELED_SCHEMA = pa.schema(
@@ -186,7 +187,7 @@ def _number_parts(fs, folder: str) -> list[str]:
 def _connect(config: PrepareConfig) -> None:
     """The training driver's connection rule: RAY_ADDRESS / cluster.address, else a local Ray on 127.0.0.1."""
     from rayllm.config import ClusterSettings, TrainConfig
-    from rayllm.train.launch import connect_ray
+    from rayllm.trainer.launch import connect_ray
 
     connect_ray(TrainConfig(cluster=ClusterSettings(address=config.cluster.address, num_workers=1)))
 
@@ -350,7 +351,7 @@ def _load_tokenizer(config: PrepareConfig) -> str | None:
 
 
 def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
-    """Clean the corpus as ``config`` says, write the shards and report.json, and return the report.
+    """Clean the corpus as ``config`` says, write the shards and _report.json, and return the report.
 
     The report counts documents and tokens (``token_unit`` says which unit) in ``input``,
     after normalisation in ``normalized``, removed by each stage in ``removed`` (each
@@ -414,6 +415,8 @@ def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
                 _token_batch, fn_kwargs={"tokenizer_json": tokenizer_json}, batch_format="pyarrow"
             )
             token_files = _write(tokenized, config.tokens_output, config)
+            # The trainer finds the tokenizer that made the ids here (data.tokenizer not needed).
+            write_text(join(config.tokens_output, SHARD_TOKENIZER_FILE), tokenizer_json, config.storage)
     report = {
         "token_unit": f"tokens of {config.tokenize.tokenizer}" if tokenizer_json else "whitespace-separated words",
         "input": {

@@ -31,7 +31,7 @@ from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
-from rayllm.train.schedule import lr_at
+from rayllm.trainer.schedule import lr_at
 
 
 class Session(Protocol):

@@ -19,7 +19,7 @@ from rayllm.config import TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
-from rayllm.train.monitor import RunMonitor
+from rayllm.trainer.monitor import RunMonitor
 
 
 @dataclass
@@ -134,7 +134,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from rayllm.train.ray_worker import train_loop_per_worker
+    from rayllm.trainer.ray_worker import train_loop_per_worker
 
     monitor = RunMonitor(config, quiet=quiet)
     records: Queue = Queue(actor_options={"num_cpus": 0})

@@ -1,6 +1,6 @@
 """The per-rank loop under plain torch.distributed, without Ray.
 
-    torchrun --nproc_per_node 2 -m rayllm.train.torchrun configs/tiny.yaml run.dir=/tmp/r
+    torchrun --nproc_per_node 2 -m rayllm.trainer.torchrun configs/tiny.yaml run.dir=/tmp/r
 
 The data stream is the same ordered stream the Ray pipeline produces, computed
 in-process; checkpoints go to ``run.dir/checkpoint_XXXXXXXX`` (a local or shared path),
@@ -24,8 +24,8 @@ from rayllm.data.order import DataState, local_stream, rank_slice
 from rayllm.data.plan import DataPlans, prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
-from rayllm.train.loop import Trainer
-from rayllm.train.monitor import RunMonitor
+from rayllm.trainer.loop import Trainer
+from rayllm.trainer.monitor import RunMonitor
 
 
 class LocalSession:
@@ -101,7 +101,7 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: torchrun ... -m rayllm.train.torchrun CONFIG [key=value ...]", file=sys.stderr)
+        print("usage: torchrun ... -m rayllm.trainer.torchrun CONFIG [key=value ...]", file=sys.stderr)
         return 2
     try:
         config = TrainConfig.from_yaml(argv[0], overrides=argv[1:])

@@ -13,7 +13,7 @@ import torch
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.ray_stream import served_batches, start_server
-from rayllm.train.loop import Trainer
+from rayllm.trainer.loop import Trainer
 
 
 class RaySession:
