@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     bench_data.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config whose data.train to read")
     bench_data.add_argument("overrides", nargs="*", help="dotted overrides, for example data.train=s3://b/corpus")
     bench_data.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
-    bench_data.add_argument("--epochs", type=int, default=3, help="passes over data.train on each side")
+    bench_data.add_argument("--epochs", type=int, default=5, help="passes over data.train on each side")
+    bench_data.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is kept")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from rayllm.bench import data as bench_data
 
-            print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs)))
+            print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs, args.repeats)))
             return 0
         if args.command == "tokenizer":
             from rayllm.data.plan import train_tokenizer
