@@ -51,7 +51,9 @@ def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFile
 
 def full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:
     protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    return path if protocol in ("file", "local") else f"{protocol}://{path}"
+    if protocol in ("file", "local"):
+        return path
+    return path if "://" in path else fs.unstrip_protocol(path)  # http keeps its URL whole
 
 
 def _is_hidden(found: str, folder: str) -> bool:
@@ -59,6 +61,22 @@ def _is_hidden(found: str, folder: str) -> bool:
     (the convention of Spark, Hadoop and pyarrow datasets): ``_report.json``, ``_tokenizer.json``."""
     relative = found[len(folder.rstrip("/")) :].strip("/")
     return any(part.startswith(("_", ".")) for part in relative.split("/"))
+
+
+def _check_bucket(fs, path: str, item: str, what: str) -> None:
+    """A missing bucket is named as such: "no shards found" would send the user to the wrong place."""
+    bucket = path.split("/", 1)[0]
+    try:
+        exists = fs.exists(bucket)
+    except PermissionError as e:
+        raise DataError(f"{what}: access denied to {item!r} ({e}); check data.storage credentials") from None
+    except Exception:
+        return
+    if not exists:
+        raise DataError(
+            f"{what}: bucket {bucket!r} of {item!r} does not exist (or these credentials cannot see it); "
+            f"check the bucket name and data.storage.endpoint_url"
+        )
 
 
 def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) -> list[str]:
@@ -82,6 +100,8 @@ def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) ->
             raise DataError(f"{what}: access denied to {item!r} ({e}); check data.storage credentials") from None
         except OSError as e:
             raise DataError(f"{what}: cannot list {item!r}: {e}") from None
+        if not found and is_remote(item):
+            _check_bucket(fs, path, item, what)
         if not found:
             raise DataError(
                 f"{what}: no shards found at {item!r}. Check the path exists and holds files ending in "

@@ -100,9 +100,12 @@ def global_windows(
     k = state.position // unit
     while True:
         start = k * unit
-        meta = DataState(start, [list(r.cursor) if r.cursor else None for r in readers], list(skipped))
+        meta = DataState(start, [list(r.cursor) if r.cursor else None for r in readers])
         lab = mixture.labels(weights, start, start + unit, seed)
         rows, complete = _assemble(readers, lab)
+        # Skips found while filling this window are reported with it; a restart from its start
+        # meets them again and counts each once.
+        meta.skipped = list(skipped)
         if shuffle and len(rows):
             rows = rows[np.random.default_rng([seed, k]).permutation(len(rows))]
         if len(rows):
