@@ -36,6 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     bench_data.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
     bench_data.add_argument("--epochs", type=int, default=5, help="passes over data.train on each side")
     bench_data.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is kept")
+    bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
+    bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
+    bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
+    bench_memory.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
+    bench_memory.add_argument("--gb", type=float, default=2.0, help="gigabytes of text to generate and stream")
+    bench_memory.add_argument("--object-store-mb", type=int, default=500, help="Ray's object store cap")
+    bench_memory.add_argument("--dir", default="data/bench-memory", help="where the generated corpus is kept")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -52,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
         if args.command == "config":
             print(config.to_yaml(), end="")
+            return 0
+        if args.command == "bench" and args.bench_command == "memory":
+            from rayllm.bench import memory as bench_memory
+
+            result = bench_memory.run(config, args.cpus, args.gb, args.object_store_mb, args.dir)
+            print(bench_memory.format_result(result))
             return 0
         if args.command == "bench":
             from rayllm.bench import data as bench_data

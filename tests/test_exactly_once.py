@@ -1,6 +1,6 @@
 """Exactly once, in one order: sequence ids recorded with each checkpoint through restarts
 that change the number of workers (2 -> 1 -> 2) and through a worker killed mid-run form
-the seed's global order, each once."""
+the seed's global order, each once. The data is read from moto's S3 server on 127.0.0.1."""
 
 import glob
 import json
@@ -21,17 +21,33 @@ G = 8
 
 
 @pytest.fixture
-def small_corpus(tmp_path):
-    """About 190 sequences of 65 tokens in 3 shards, so a test can train through a whole epoch."""
-    root = tmp_path / "small"
-    root.mkdir()
+def small_corpus(s3_server) -> list[str]:
+    """About 190 sequences of 65 tokens in 3 shards on S3, so a test can train through a whole epoch;
+    the overrides that read it."""
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    s3.create_bucket(Bucket="exactly-once")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     for s in range(3):
-        with open(root / f"part-{s}.jsonl", "w") as f:
-            for d in range(6):
-                text = " ".join(words[(s * 7 + d * 3 + i) % len(words)] + str(i % 17) for i in range(160))
-                f.write(json.dumps({"text": text}) + "\n")
-    return root
+        lines = []
+        for d in range(6):
+            text = " ".join(words[(s * 7 + d * 3 + i) % len(words)] + str(i % 17) for i in range(160))
+            lines.append(json.dumps({"text": text}) + "\n")
+        s3.put_object(Bucket="exactly-once", Key=f"small/part-{s}.jsonl", Body="".join(lines).encode())
+    return [
+        "data.train=s3://exactly-once/small",
+        f"data.storage.endpoint_url={s3_server}",
+        "data.storage.key=testing",
+        "data.storage.secret=testing",
+        "data.storage.region=us-east-1",
+    ]
 
 
 def ids_of(rows):
@@ -67,7 +83,7 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
 ):
     base = [
         *overrides,
-        f"data.train={small_corpus}",
+        *small_corpus,
         "data.val=null",
         "data.record_ids=true",
         "data.shuffle_window=64",

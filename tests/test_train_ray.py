@@ -72,15 +72,39 @@ def uninterrupted(request, tmp_path_factory, corpus, tokenizer_file):
         "data.demo_corpus=false",
         *SHORT,
         "train.max_steps=6",
+        "data.record_ids=true",
+        "data.shuffle_window=16",
+        "train.keep_checkpoints=10",
     ]
     result = run([*base, f"run.dir={tmp_path_factory.mktemp('full') / 'run'}"])
     return base, result
+
+
+def global_order(run_dir) -> list[tuple[int, ...]]:
+    """The sequence ids trained on, in global order: per checkpoint and step, rank 0's rows then rank 1's."""
+    import glob
+
+    import numpy as np
+
+    order = []
+    for ckpt in sorted(glob.glob(f"{run_dir}/checkpoint_[0-9]*")):
+        per_rank = [np.load(p) for p in sorted(glob.glob(f"{ckpt}/consumed-rank*.npy"))]
+        per_step = 8 // len(per_rank)
+        for step in range(len(per_rank[0]) // per_step):
+            for rows in per_rank:
+                order.extend(tuple(int(v) for v in r) for r in rows[step * per_step : (step + 1) * per_step])
+    return order
 
 
 def test_one_worker_equals_two_fsdp_workers(uninterrupted, tmp_path):
     base, two = uninterrupted
     one = run([*base, f"run.dir={tmp_path / 'one'}", "cluster.num_workers=1"])
     assert sorted(losses(one)) == sorted(losses(two)) == list(range(1, 7))
+    # The same seed gives the same sequences in the same order on 1 and on 2 workers.
+    order = global_order(tmp_path / "one")
+    assert len(order) == 6 * 8 == len(set(order))
+    assert order == global_order(two.run_dir)
+    assert order != sorted(order)  # and that order is shuffled, not the shards' own
     for step, loss in losses(one).items():
         assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
 
