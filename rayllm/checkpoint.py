@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -20,14 +21,29 @@ from torch.optim import Optimizer
 STATE_FILE = "train_state.json"
 
 
-def save(directory: str, model: nn.Module, optimizer: Optimizer, state: dict[str, Any], rank: int) -> None:
+def save(directory: str, model: nn.Module, optimizer: Optimizer) -> None:
     """Collective: every rank writes its shards into ``directory`` (which may differ per rank)."""
     os.makedirs(directory, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
-    if rank == 0:
-        with open(os.path.join(directory, STATE_FILE), "w") as f:
-            json.dump(state, f)
+
+
+def save_async(directory: str, model: nn.Module, optimizer: Optimizer, process_group) -> Future:
+    """Collective: copy this rank's shards to CPU memory now and write them in a background thread.
+
+    The copy is what the step loop waits for; training may change the weights right after.
+    ``process_group`` must be a gloo group of its own: the writer thread's collectives must not
+    interleave with the training loop's on the same group.
+    """
+    os.makedirs(directory, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory, process_group=process_group)
+
+
+def write_state(directory: str, state: dict[str, Any]) -> None:
+    """Rank 0's part: the step, data position and metrics, beside the shards."""
+    with open(os.path.join(directory, STATE_FILE), "w") as f:
+        json.dump(state, f)
 
 
 def load(directory: str, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

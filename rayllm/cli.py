@@ -85,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         result = train(config, quiet=args.quiet)
         if args.quiet:
             print(format_summary(result))
+        if result.stopped_by:
+            import signal
+
+            print(
+                f"rayllm: stopped by {result.stopped_by} at step {result.step} with a checkpoint; "
+                f"run the same command again to resume",
+                file=sys.stderr,
+            )
+            return 128 + int(getattr(signal, result.stopped_by))  # as if killed by it, for schedulers
         return 0
     except RayllmError as e:
         print(f"rayllm: error: {e}", file=sys.stderr)

@@ -115,7 +115,12 @@ class TrainingSettings:
     val_every: int = 100
     val_batches: int = 4
     checkpoint_every: int = 100
+    # Also checkpoint when this many seconds have passed since the last one (null: steps only).
+    checkpoint_every_s: float | None = None
     keep_checkpoints: int = 2
+    # Write checkpoints in the background (DCP async_save, then an async upload): the step loop
+    # waits only for the copy to CPU memory. Off: every save blocks until it is stored.
+    async_checkpoint: bool = True
     # "auto": bf16 compute on GPU, fp32 on CPU.
     precision: str = "auto"
     activation_checkpointing: bool = False
@@ -129,6 +134,8 @@ class ClusterSettings:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     max_failures: int = 0
+    # With [min, max] workers: how often Ray Train checks for room to grow the worker group.
+    resize_interval_s: float = 60.0
     # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
     address: str | None = None
 
@@ -209,6 +216,10 @@ class TrainConfig:
                 "data.shuffle_window",
             ],
         )
+        if t.checkpoint_every_s is not None and t.checkpoint_every_s <= 0:
+            raise ConfigError("train.checkpoint_every_s must be a positive number of seconds (or null for steps only)")
+        if c.resize_interval_s <= 0:
+            raise ConfigError("cluster.resize_interval_s must be a positive number of seconds")
         if m.dim % m.n_heads:
             raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
         if (m.dim // m.n_heads) % 2:

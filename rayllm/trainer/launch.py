@@ -19,6 +19,7 @@ from rayllm.config import TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
+from rayllm.trainer import faults
 from rayllm.trainer.monitor import RunMonitor
 
 
@@ -41,6 +42,8 @@ class TrainResult:
     peak_memory_bytes: int | None = None
     # The realised mixture and any shards skipped (data.on_bad_shard: skip); also in run.dir/data_report.json.
     data_report: dict[str, Any] = field(default_factory=dict)
+    # The signal (SIGTERM, SIGINT) that ended the run early, after a checkpoint; None when it ran to the end.
+    stopped_by: str | None = None
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -91,12 +94,13 @@ def _thread_env(config: TrainConfig) -> dict[str, str]:
 
     Ray Train V2 workers start without OMP_NUM_THREADS (seen in their environment), and the
     loop runs in a thread of Ray's, so torch's default of one thread per core would make
-    co-located workers oversubscribe the cores.
+    co-located workers oversubscribe the cores. Fault-injection variables (tests) pass through.
     """
+    passed = {name: os.environ[name] for name in faults.ENV_VARS if name in os.environ}
     if config.cluster.use_gpu:
-        return {}
+        return passed
     threads = str(max(1, int(config.cluster.cpus_per_worker)))
-    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **passed}
 
 
 def _failure_message(error: BaseException) -> str:
@@ -121,6 +125,46 @@ def _failure_message(error: BaseException) -> str:
     return text
 
 
+class StopFlag:
+    """A Ray actor the driver sets on SIGTERM/SIGINT; rank 0 reads it between steps."""
+
+    def __init__(self):
+        self._requested = False
+
+    def request(self) -> None:
+        self._requested = True
+
+    def requested(self) -> bool:
+        return self._requested
+
+
+def _stop_on_signals(control, stopped_by: list[str], log):
+    """SIGTERM (a spot notice, ``ray job stop``) or Ctrl-C: checkpoint at the next step, then end.
+    A second signal ends at once. Returns a function that puts the old handlers back."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals reach only the main thread; a script calling from a thread keeps its own
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if stopped_by:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+        stopped_by.append(name)
+        print(f"[rayllm] {name}: saving a checkpoint at the next step, then stopping", flush=True)
+        control.request.remote()
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+    return restore
+
+
 def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     """Train as ``config`` says and return the final metrics and the latest checkpoint."""
     started = time.time()
@@ -138,13 +182,15 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
 
     monitor = RunMonitor(config, quiet=quiet)
     records: Queue = Queue(actor_options={"num_cpus": 0})
+    control = ray.remote(StopFlag).options(num_cpus=0).remote()
     storage_path, name, fs = _storage(config)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "queue": records, "plans": plans},
+        train_loop_config={"config": config.to_dict(), "queue": records, "plans": plans, "control": control},
         scaling_config=ray.train.ScalingConfig(
             num_workers=lo if lo == hi else (lo, hi),
+            elastic_resize_monitor_interval_s=config.cluster.resize_interval_s,
             use_gpu=config.cluster.use_gpu,
             resources_per_worker={
                 "CPU": config.cluster.cpus_per_worker,
@@ -177,11 +223,14 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
 
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
+    stopped_by: list[str] = []
+    restore_signals = _stop_on_signals(control, stopped_by, log)
     try:
         result = trainer.fit()
     except Exception as e:
         raise RayllmError(f"training failed: {_failure_message(e)}") from e
     finally:
+        restore_signals()
         stop.set()
         follower.join(timeout=5)
         while True:
@@ -192,6 +241,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         monitor.close()
         try:
             records.shutdown()
+            ray.kill(control)
         except Exception:
             pass
     metrics = dict(result.metrics or {})
@@ -213,6 +263,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
         peak_memory_bytes=metrics.get("peak_memory_bytes"),
         data_report=monitor.data_report(),
+        stopped_by=stopped_by[0] if stopped_by else None,
         history=monitor.history,
     )
     if not quiet:

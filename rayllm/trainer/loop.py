@@ -16,7 +16,7 @@ import dataclasses
 import os
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,6 +31,7 @@ from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel import compute_dtype, parallelize
+from rayllm.trainer import faults
 from rayllm.trainer.schedule import lr_at
 
 
@@ -50,9 +51,36 @@ class Session(Protocol):
 
     def restore_dir(self) -> contextlib.AbstractContextManager[str | None]: ...
 
-    def save(self, step: int, metrics: dict[str, Any], write: Callable[[str], None]) -> None: ...
+    def checkpoint_dir(self, step: int) -> str:
+        """A fresh folder where this rank writes its part of the checkpoint of ``step``."""
+        ...
+
+    def commit(self, step: int, metrics: dict[str, Any], directory: str, upload_async: bool) -> None:
+        """Collective: make the written checkpoint the run's latest (visible only once complete)."""
+        ...
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        """Collective: final metrics without a checkpoint."""
+        ...
+
+    def stop_requested(self) -> bool:
+        """Whether a stop (SIGTERM, SIGINT) was asked for; the loop agrees on it across ranks."""
+        ...
 
     def emit(self, record: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class _Checkpoint:
+    """A checkpoint being written: what rank 0 adds beside the shards, and the write's future."""
+
+    step: int
+    directory: str
+    state: dict[str, Any]
+    metrics: dict[str, Any]
+    ids: np.ndarray | None
+    future: Any = None  # a concurrent.futures.Future from dcp.async_save, None once written
+    stall_s: float = 0.0  # time the step loop spent on this checkpoint
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -106,6 +134,13 @@ class Trainer:
         self.restarts = 0
         self._val_rows: list[np.ndarray] | None = None
         self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
+        self._pending: _Checkpoint | None = None  # an async checkpoint still being written
+        # Two gloo groups of their own: one for the background writer's collectives, one for the
+        # per-step control flags. Collectives from two threads on one group would interleave.
+        self._control_group = None
+        self._checkpoint_group = None
+        self._last_checkpoint_at = time.monotonic()
+        self.stopped = False  # ended early on a stop request, with a checkpoint
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -132,13 +167,70 @@ class Trainer:
             "world_size": self.session.world_size,
         }
 
-    def _write_checkpoint(self, directory: str, state: dict[str, Any]) -> None:
-        checkpoint.save(directory, self.model, self.optimizer, state, self.session.rank)
+    # -- checkpoints -----------------------------------------------------------------------
+    def _checkpoint(self, metrics: dict[str, Any], final: bool) -> None:
+        """Collective: checkpoint this step. Async (unless final or train.async_checkpoint is off):
+        the loop waits only while the shards are copied to CPU memory; they are written and
+        committed later, at the first step where every rank's write has finished."""
+        started = time.perf_counter()
+        if self._pending is not None:  # one write at a time: finish the previous one first
+            self._commit(self._pending, upload_async=True)
+        counts = _all_sum([float(c) for c in self.source_counts], self.device)
+        total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
+        ids = None
         if self.config.data.record_ids:
             # The ids trained on since the previous checkpoint, committed with this one.
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
-            np.save(os.path.join(directory, f"consumed-rank{self.session.rank:05d}.npy"), ids)
             self._consumed_ids = []
+        ckpt = _Checkpoint(
+            self.step, self.session.checkpoint_dir(self.step), self._state(metrics, total_counts), dict(metrics), ids
+        )
+        if self.config.train.async_checkpoint and not final:
+            ckpt.future = checkpoint.save_async(ckpt.directory, self.model, self.optimizer, self._checkpoint_group)
+            ckpt.stall_s = time.perf_counter() - started
+            self._pending = ckpt
+        else:
+            checkpoint.save(ckpt.directory, self.model, self.optimizer)
+            ckpt.stall_s = time.perf_counter() - started
+            self._commit(ckpt, upload_async=self.config.train.async_checkpoint and not final)
+
+    def _commit(self, ckpt: _Checkpoint, upload_async: bool) -> None:
+        """Collective: wait for the shards, add rank 0's state (and the ids), hand it to the session."""
+        started = time.perf_counter()
+        if ckpt.future is not None:
+            ckpt.future.result()
+            ckpt.future = None
+        faults.maybe_crash_before_commit(ckpt.step, self.session.rank, self.session.world_size, self.restarts)
+        if self.session.rank == 0:
+            checkpoint.write_state(ckpt.directory, ckpt.state)
+        if ckpt.ids is not None:
+            np.save(os.path.join(ckpt.directory, f"consumed-rank{self.session.rank:05d}.npy"), ckpt.ids)
+        self.session.commit(ckpt.step, ckpt.metrics, ckpt.directory, upload_async=upload_async)
+        ckpt.stall_s += time.perf_counter() - started
+        if self._pending is ckpt:
+            self._pending = None
+        self._last_checkpoint_at = time.monotonic()
+        if self.session.rank == 0:
+            self.session.emit(
+                {
+                    "kind": "checkpoint",
+                    "step": ckpt.step,
+                    "stall_s": ckpt.stall_s,
+                    "async": upload_async,
+                }
+            )
+
+    def _control(self) -> tuple[bool, bool, bool]:
+        """(a write still running on some rank, stop requested, checkpoint time due): agreed by
+        all ranks with one small all-reduce on the gloo group, so they act at the same step."""
+        t = self.config.train
+        busy = self._pending is not None and not self._pending.future.done()
+        due = bool(t.checkpoint_every_s) and time.monotonic() - self._last_checkpoint_at >= t.checkpoint_every_s
+        flags = torch.tensor([busy, self.session.stop_requested(), due and self.session.rank == 0], dtype=torch.int32)
+        if self._control_group is not None and self.session.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+        busy, stop, due = (bool(v) for v in flags.tolist())
+        return busy, stop, due
 
     # -- steps ---------------------------------------------------------------------------
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
@@ -206,8 +298,11 @@ class Trainer:
         if self.step >= end:
             if rank0:
                 session.emit({"kind": "done", "step": self.step, **self.last_metrics})
-            session.save(self.step, self.last_metrics, write=None)
+            session.report(self.last_metrics)
             return self.last_metrics
+        if dist.is_initialized():
+            self._control_group = dist.new_group(backend="gloo")  # collectives: every rank, here
+            self._checkpoint_group = dist.new_group(backend="gloo")
         tokens_per_step = t.global_batch_size * self.config.data.seq_len
         fpt = flops_per_token(self.args, self.config.data.seq_len)
         if rank0:
@@ -246,7 +341,10 @@ class Trainer:
             first = False
             window_loss += loss
             window_steps += 1
-            last = self.step == end
+            busy, stop, due = self._control()
+            if self._pending is not None and not busy:
+                self._commit(self._pending, upload_async=True)
+            last = self.step == end or stop
             if self.step % t.log_every == 0 or last:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -280,13 +378,17 @@ class Trainer:
                     metrics["val_loss"] = val
                     if rank0:
                         session.emit({"kind": "val", "step": self.step, "val_loss": val})
-            if self.step % t.checkpoint_every == 0 or last:
-                counts = _all_sum([float(c) for c in self.source_counts], self.device)
-                total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
-                state = self._state(metrics, total_counts)
-                session.save(self.step, metrics, write=lambda d, s=state: self._write_checkpoint(d, s))
+            if self.step % t.checkpoint_every == 0 or due or last:
+                self._checkpoint(metrics, final=last)
+            if stop:
+                self.stopped = True
+                if rank0:
+                    session.emit({"kind": "stopped", "step": self.step})
+                break
             if self.step % t.log_every == 0 or last:
                 window_start = time.perf_counter()
+        if self._pending is not None:
+            self._commit(self._pending, upload_async=False)
         self.last_metrics = metrics
         close = getattr(session, "close", None)
         if close is not None:

@@ -52,6 +52,7 @@ class RunMonitor:
         self.initial_val_loss: float | None = None
         self.mixture: dict[str, float] = {}
         self.skipped: list[dict[str, Any]] = []
+        self.world_size: int | None = None  # of the latest attempt, to log resizes
         self._local_log = None
         if not is_remote(config.run.dir):
             os.makedirs(config.run.dir, exist_ok=True)
@@ -70,6 +71,9 @@ class RunMonitor:
             self._local_log.flush()
         step = int(record.get("step", 0))
         if kind == "start":
+            if self.world_size is not None and record["world_size"] != self.world_size:
+                self.handle({"kind": "resize", "step": step, "from": self.world_size, "to": record["world_size"]})
+            self.world_size = record["world_size"]
             self.tracker.log_params(
                 {
                     "world_size": record["world_size"],
@@ -83,6 +87,15 @@ class RunMonitor:
                 f"{record['params'] / 1e6:.1f}M parameters, {record['accum_steps']} micro-batch(es) per worker "
                 f"per step"
             )
+        elif kind == "resize":
+            self.say(
+                f"[rayllm] resized from {record['from']} to {record['to']} worker(s) at step {step}; "
+                f"the global batch stays {self.config.train.global_batch_size}"
+            )
+        elif kind == "checkpoint":
+            self.tracker.log_metrics({"checkpoint_stall_s": record["stall_s"]}, step, "train")
+        elif kind == "stopped":
+            self.say(f"[rayllm] stopped at step {step} with a checkpoint; running again resumes from it")
         elif kind == "first_step":
             self.first_step_at = record["time"]
         elif kind == "train":

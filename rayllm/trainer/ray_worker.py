@@ -6,6 +6,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from rayllm.trainer.loop import Trainer
 
 
 class RaySession:
-    def __init__(self, config: TrainConfig, queue, plans):
+    def __init__(self, config: TrainConfig, queue, plans, control=None):
         import ray.train
 
         self._train = ray.train
@@ -28,6 +29,9 @@ class RaySession:
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
         self._server = None
+        self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
+        self._stop_checked_at = 0.0
+        self._stop = False
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -70,21 +74,44 @@ class RaySession:
         ckpt = self._train.get_checkpoint()
         return ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None)
 
-    def save(self, step: int, metrics: dict[str, Any], write) -> None:
-        """Every rank writes its shards into its own folder; Ray merges them in storage."""
-        if write is None:
-            self._train.report(dict(metrics))
-            return
-        local = tempfile.mkdtemp(prefix=f"rayllm-ckpt-{step:08d}-r{self.rank}-")
+    def checkpoint_dir(self, step: int) -> str:
+        """Every rank writes its shards into a local folder of its own; Ray merges them in storage."""
+        return tempfile.mkdtemp(prefix=f"rayllm-ckpt-{step:08d}-r{self.rank}-")
+
+    def commit(self, step: int, metrics: dict[str, Any], directory: str, upload_async: bool) -> None:
+        """Ray Train uploads the folders (in the background when async) and registers the
+        checkpoint only once every rank's upload is done, so a crash mid-save leaves the
+        previous checkpoint the latest; the local folder is deleted after its upload."""
+        mode = self._train.CheckpointUploadMode
         try:
-            write(local)
             self._train.report(
                 dict(metrics),
-                checkpoint=self._train.Checkpoint.from_directory(local),
+                checkpoint=self._train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=f"checkpoint_{step:08d}",
+                checkpoint_upload_mode=mode.ASYNC if upload_async else mode.SYNC,
+                delete_local_checkpoint_after_upload=True,
             )
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        self._train.report(dict(metrics))
+
+    def stop_requested(self) -> bool:
+        """Rank 0 asks the driver's flag at most once a second; the loop shares the answer."""
+        if self._control is None or self._stop:
+            return self._stop
+        now = time.monotonic()
+        if now - self._stop_checked_at >= 1.0:
+            import ray
+
+            self._stop_checked_at = now
+            try:
+                self._stop = bool(ray.get(self._control.requested.remote(), timeout=5))
+            except Exception:  # the driver is gone or busy: keep training, ask again later
+                pass
+        return self._stop
 
     def emit(self, record: dict[str, Any]) -> None:
         if self._queue is not None:
@@ -104,5 +131,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
-    session = RaySession(config, loop_config["queue"], loop_config["plans"])
+    session = RaySession(config, loop_config["queue"], loop_config["plans"], loop_config.get("control"))
     Trainer(config, session).fit()

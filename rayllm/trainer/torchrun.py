@@ -13,7 +13,9 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -26,6 +28,17 @@ from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
 from rayllm.trainer.loop import Trainer
 from rayllm.trainer.monitor import RunMonitor
+
+_STOP = threading.Event()  # set by SIGTERM/SIGINT: checkpoint at the next step and end
+
+
+def _request_stop(signum, frame) -> None:
+    if _STOP.is_set():  # a second signal: stop now
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + signum)
+    _STOP.set()
+    print(f"[rayllm] {signal.Signals(signum).name}: saving a checkpoint, then stopping", file=sys.stderr, flush=True)
 
 
 class LocalSession:
@@ -55,19 +68,25 @@ class LocalSession:
         existing = self.checkpoints()
         return contextlib.nullcontext(existing[-1] if existing else None)
 
-    def save(self, step: int, metrics: dict[str, Any], write) -> None:
-        if write is None:
-            return
+    def checkpoint_dir(self, step: int) -> str:
+        """One shared folder under a temporary name: resume never picks it before the rename."""
+        return os.path.join(self.run_dir, f"checkpoint_{step:08d}.tmp")
+
+    def commit(self, step: int, metrics: dict[str, Any], directory: str, upload_async: bool) -> None:
         final = os.path.join(self.run_dir, f"checkpoint_{step:08d}")
-        tmp = final + ".tmp"
-        write(tmp)
         dist.barrier()
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            os.replace(directory, final)  # atomic on one filesystem: complete, or not there
             for old in self.checkpoints()[: -self.config.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return _STOP.is_set()
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.monitor is not None:
@@ -103,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: torchrun ... -m rayllm.trainer.torchrun CONFIG [key=value ...]", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     try:
         config = TrainConfig.from_yaml(argv[0], overrides=argv[1:])
         metrics = run(config)
@@ -113,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"[rayllm] done: step {metrics.get('step')} loss {metrics.get('loss')} val_loss {metrics.get('val_loss')}"
         )
+    if _STOP.is_set():
+        return 128 + signal.SIGTERM  # stopped early (with a checkpoint), as schedulers expect
     return 0
 
 
