@@ -133,6 +133,8 @@ class ClusterSettings:
     num_workers: int | list[int] = 2
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    # Custom Ray resources each worker also needs, to pin workers to node types: {trainer: 1}.
+    worker_resources: dict[str, float] = field(default_factory=dict)
     max_failures: int = 0
     # With [min, max] workers: how often Ray Train checks for room to grow the worker group.
     resize_interval_s: float = 60.0
@@ -383,6 +385,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -417,6 +424,9 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(t) for t in typing.get_args(tp))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        return f"a mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
     if tp is type(None):
         return "null"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))

@@ -58,7 +58,7 @@ def base(overrides):
 def test_crash_between_write_and_commit_resumes_from_the_previous_checkpoint(base, tmp_path):
     full_dir, run_dir = tmp_path / "full", tmp_path / "crash"
     subprocess.run(torchrun_cmd(2, [*base, f"run.dir={full_dir}"]), check=True, capture_output=True, timeout=600)
-    env = {**os.environ, "RAYLLM_FAULT_CRASH_BEFORE_COMMIT": "4"}
+    env = {**os.environ, "RAYLLM_FAULT_CRASH_BEFORE_COMMIT": f"4:{tmp_path / 'crashed'}"}
     crashed = subprocess.run(
         torchrun_cmd(2, [*base, f"run.dir={run_dir}"]), env=env, capture_output=True, text=True, timeout=600
     )

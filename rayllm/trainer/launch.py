@@ -181,8 +181,12 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     from rayllm.trainer.ray_worker import train_loop_per_worker
 
     monitor = RunMonitor(config, quiet=quiet)
-    records: Queue = Queue(actor_options={"num_cpus": 0})
-    control = ray.remote(StopFlag).options(num_cpus=0).remote()
+    # The driver's own actors live on the driver's node: a lost worker node must not take them along.
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
+    control = ray.remote(StopFlag).options(num_cpus=0, scheduling_strategy=here).remote()
     storage_path, name, fs = _storage(config)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
@@ -195,6 +199,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             resources_per_worker={
                 "CPU": config.cluster.cpus_per_worker,
                 **({"GPU": 1} if config.cluster.use_gpu else {}),
+                **config.cluster.worker_resources,
             },
         ),
         run_config=ray.train.RunConfig(

@@ -200,7 +200,7 @@ class Trainer:
         if ckpt.future is not None:
             ckpt.future.result()
             ckpt.future = None
-        faults.maybe_crash_before_commit(ckpt.step, self.session.rank, self.session.world_size, self.restarts)
+        faults.maybe_crash_before_commit(ckpt.step, self.session.rank, self.session.world_size)
         if self.session.rank == 0:
             checkpoint.write_state(ckpt.directory, ckpt.state)
         if ckpt.ids is not None:

@@ -32,6 +32,7 @@ class RaySession:
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
         self._stop_checked_at = 0.0
         self._stop = False
+        self._emit_failed = False
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -114,8 +115,15 @@ class RaySession:
         return self._stop
 
     def emit(self, record: dict[str, Any]) -> None:
-        if self._queue is not None:
+        """Progress to the driver; never worth stopping training over (the driver may be gone)."""
+        if self._queue is None:
+            return
+        try:
             self._queue.put_nowait(record)
+        except Exception as e:
+            if not self._emit_failed:
+                logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
+            self._emit_failed = True
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

@@ -1,0 +1,181 @@
+"""Failure scenarios on a simulated multi-node Ray cluster (``ray.cluster_utils.Cluster``, every
+node on 127.0.0.1), run in a process of their own so this cluster never meets the test
+session's local Ray. Prints one JSON object: each scenario's records.
+
+    python tests/ray_cluster_scenarios.py '{"overrides": [...], "scenarios": ["reference", ...]}'
+
+Nodes: a head with 2 CPUs (driver-side actors and Ray Data tasks) and two 1-CPU worker nodes
+with a ``trainer`` resource, which every training worker needs: so each node holds one worker,
+and removing a node removes a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray Train's controller takes reported checkpoints every health check (2 s by default): a
+# checkpoint not yet taken when a worker dies is not resumed from. These runs checkpoint every
+# second or so, so the controller looks more often (inherited by every node started here).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# After a node is lost, Ray Train first waits for as many workers as before (up to 60 s by
+# default) before it settles for fewer; 10 s keeps these runs short.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rayllm import TrainConfig, train  # noqa: E402
+
+WORKER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
+
+
+def records(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(condition, timeout: float = 300.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def run_in_thread(config: TrainConfig) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = train(config, quiet=True)
+        except BaseException as e:  # reported in the output
+            box["error"] = repr(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def summary(run_dir: str, box: dict, **extra) -> dict:
+    recs = records(run_dir)
+    result = box.get("result")
+    return {
+        "error": box.get("error"),
+        "step": result.step if result else None,
+        "tokens": result.tokens if result else None,
+        "loss": result.loss if result else None,
+        "starts": [{"step": r["step"], "world_size": r["world_size"]} for r in recs if r["kind"] == "start"],
+        "resizes": [r for r in recs if r["kind"] == "resize"],
+        "train": [
+            {"step": r["step"], "loss": r["loss"], "world_size": r["world_size"], "tokens": r["tokens"]}
+            for r in recs
+            if r["kind"] == "train"
+        ],
+        **extra,
+    }
+
+
+def trained_past(run_dir: str, step: int, world_size: int | None = None) -> bool:
+    recs = records(run_dir)
+    starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
+    if not starts:
+        return False
+    latest = recs[starts[-1] :]
+    if world_size is not None and latest[0]["world_size"] != world_size:
+        return False
+    return any(r["kind"] == "train" and r["step"] >= step for r in latest)
+
+
+def scenario_reference(overrides, root):
+    run_dir = f"{root}/reference"
+    thread, box = run_in_thread(
+        TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+    )
+    thread.join()
+    return summary(run_dir, box)
+
+
+def scenario_kill(overrides, root):
+    """SIGKILL one training worker's process after step 9."""
+    from ray.util.state import list_actors
+
+    run_dir = f"{root}/kill"
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+    thread, box = run_in_thread(config)
+    killed_at = None
+    if wait_for(lambda: trained_past(run_dir, 9)):
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        os.kill(workers[-1].pid, signal.SIGKILL)
+        killed_at = time.time()
+    thread.join()
+    return summary(run_dir, box, killed=killed_at is not None)
+
+
+def scenario_crash_in_checkpoint(overrides, root):
+    """The last rank dies after writing its shards of checkpoint 8, before the commit."""
+    run_dir = f"{root}/crash"
+    os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"] = f"8:{root}/crashed"
+    try:
+        config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+        thread, box = run_in_thread(config)
+        thread.join()
+    finally:
+        del os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"]
+    return summary(run_dir, box)
+
+
+def scenario_elastic(overrides, root, cluster, nodes):
+    """2 workers; a node removed after step 9 (-> 1 worker); added back once the 1-worker group
+    has trained 3 steps (-> 2 at Ray Train's next resize check)."""
+    run_dir = f"{root}/elastic"
+    config = TrainConfig.from_yaml(
+        "configs/tiny.yaml",
+        overrides=[*overrides, f"run.dir={run_dir}", "cluster.num_workers=[1, 2]", "cluster.resize_interval_s=2"],
+    )
+    thread, box = run_in_thread(config)
+    events = []
+    if wait_for(lambda: trained_past(run_dir, 9, world_size=2)):
+        cluster.remove_node(nodes.pop(), allow_graceful=False)
+        events.append("removed")
+        if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):
+            resumed_at = [r for r in records(run_dir) if r["kind"] == "start"][-1]["step"]
+            wait_for(lambda: trained_past(run_dir, resumed_at + 3, world_size=1))
+            nodes.append(cluster.add_node(**WORKER_NODE))
+            events.append("added")
+    thread.join()
+    return summary(run_dir, box, events=events)
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="WARNING")
+    out = {}
+    try:
+        for name in args["scenarios"]:
+            fn = globals()[f"scenario_{name}"]
+            extra = (cluster, nodes) if name == "elastic" else ()
+            started = time.time()
+            out[name] = fn(args["overrides"], args["root"], *extra)
+            out[name]["seconds"] = time.time() - started
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("SCENARIOS " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

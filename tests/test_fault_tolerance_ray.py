@@ -1,0 +1,93 @@
+"""Failures and resizes on a simulated multi-node Ray cluster (ray.cluster_utils.Cluster, all on
+127.0.0.1; see ray_cluster_scenarios.py): a worker process killed, a rank dying between
+checkpoint write and commit, a node removed and added back. Each run must finish with the
+right step count, the global batch constant, and the loss of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import TEST_MODEL
+
+pytestmark = pytest.mark.slow
+STEPS, G, SEQ = 120, 8, 64
+
+
+@pytest.fixture(scope="module")
+def scenarios(corpus, tokenizer_file, tmp_path_factory):
+    overrides = [
+        *TEST_MODEL,
+        f"data.train={corpus / 'train'}",
+        "data.val=null",
+        f"data.tokenizer={tokenizer_file}",
+        "data.demo_corpus=false",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.checkpoint_every=4",
+        "train.keep_checkpoints=3",
+        "tracking.enabled=false",
+        "cluster.num_workers=2",
+        "cluster.max_failures=3",
+        "cluster.worker_resources={trainer: 1}",
+    ]
+    root = tmp_path_factory.mktemp("scenarios")
+    args = {
+        "overrides": overrides,
+        "root": str(root),
+        "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic"],
+    }
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "tests/ray_cluster_scenarios.py", json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCENARIOS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("SCENARIOS "))
+
+
+def final_loss(run: dict) -> float:
+    return [r for r in run["train"] if r["step"] == STEPS][-1]["loss"]
+
+
+def check_completed(run: dict) -> None:
+    assert run["error"] is None, run["error"]
+    assert run["step"] == STEPS
+    assert run["tokens"] == STEPS * G * SEQ
+    for r in run["train"]:  # the global batch is G sequences at every step, on any world size
+        assert r["tokens"] == r["step"] * G * SEQ, r
+
+
+def test_killed_worker_the_run_restarts_and_matches_an_uninterrupted_run(scenarios):
+    ref, run = scenarios["reference"], scenarios["kill"]
+    check_completed(ref)
+    check_completed(run)
+    assert run["killed"]
+    assert len(run["starts"]) == 2 and run["starts"][1]["step"] > 0  # restarted from a checkpoint, not from 0
+    assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
+
+
+def test_crash_between_checkpoint_write_and_commit_resumes_from_the_previous_one(scenarios):
+    ref, run = scenarios["reference"], scenarios["crash_in_checkpoint"]
+    check_completed(run)
+    assert [s["step"] for s in run["starts"]] == [0, 4]  # checkpoint 8 was written but never committed
+    assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
+
+
+def test_node_removed_and_added_back_resizes_2_1_2_with_the_same_trajectory(scenarios):
+    ref, run = scenarios["reference"], scenarios["elastic"]
+    check_completed(run)
+    assert run["events"] == ["removed", "added"]
+    sizes = [s["world_size"] for s in run["starts"]]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, run["starts"]
+    assert [(r["from"], r["to"]) for r in run["resizes"]][:2] == [(2, 1), (1, 2)]
+    assert {r["world_size"] for r in run["train"]} == {1, 2}
+    # 1 and 2 workers compute the same global batch; only float summation order differs.
+    assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-3
