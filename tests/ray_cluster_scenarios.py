@@ -159,7 +159,10 @@ def scenario_elastic(overrides, root, cluster, nodes):
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # A dashboard port of its own: the test session's local Ray already serves the default one,
+    # and Ray Train's controller needs this cluster's dashboard (state API).
+    head = {"num_cpus": 2, "dashboard_host": "127.0.0.1", "dashboard_port": args["dashboard_port"]}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING")

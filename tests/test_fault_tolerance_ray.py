@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TEST_MODEL
+from conftest import TEST_MODEL, free_port
 
 pytestmark = pytest.mark.slow
 STEPS, G, SEQ = 120, 8, 64
@@ -38,6 +38,7 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
     args = {
         "overrides": overrides,
         "root": str(root),
+        "dashboard_port": free_port(),
         "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic"],
     }
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
