@@ -13,8 +13,10 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
@@ -28,16 +30,43 @@ def save(directory: str, model: nn.Module, optimizer: Optimizer) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
 
 
-def save_async(directory: str, model: nn.Module, optimizer: Optimizer, process_group) -> Future:
-    """Collective: copy this rank's shards to CPU memory now and write them in a background thread.
+class AsyncWriter:
+    """Async saves for one run: the shards are copied to CPU memory in a thread of DCP's stager
+    while the next forward and backward run, then written in another thread.
 
-    The copy is what the step loop waits for; training may change the weights right after.
-    ``process_group`` must be a gloo group of its own: the writer thread's collectives must not
-    interleave with the training loop's on the same group.
+    Training may change the weights only after the copy: ``save`` returns the copy's future
+    (wait for it before the next optimizer step) and the write's (wait before committing).
+    One stager is kept for the run so that its CPU buffers (pinned on CUDA) are reused.
+    ``process_group`` must be a gloo group of its own: the writer thread's collectives must
+    not interleave with the training loop's on the same group.
     """
-    os.makedirs(directory, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory, process_group=process_group)
+
+    def __init__(self, device: torch.device, process_group):
+        cuda = device.type == "cuda"
+        self._group = process_group
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+        )
+
+    def save(self, directory: str, model: nn.Module, optimizer: Optimizer) -> tuple[Future, Future]:
+        """Collective: start copying and writing this rank's shards; returns (copied, written)."""
+        os.makedirs(directory, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        response = dcp.async_save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=directory,
+            process_group=self._group,
+            async_stager=self._stager,
+        )
+        return response.staging_completion, response.upload_completion
+
+    def close(self) -> None:
+        self._stager.close()
 
 
 def write_state(directory: str, state: dict[str, Any]) -> None:

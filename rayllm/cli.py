@@ -36,6 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     bench_data.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
     bench_data.add_argument("--epochs", type=int, default=5, help="passes over data.train on each side")
     bench_data.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is kept")
+    bench_ckpt = bench_sub.add_parser(
+        "checkpoint", help="training stall of an async checkpoint against a synchronous one"
+    )
+    bench_ckpt.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config (data, tokenizer)")
+    bench_ckpt.add_argument("overrides", nargs="*", help="dotted overrides, for example model.n_layers=12")
+    bench_ckpt.add_argument("--workers", type=int, default=2, help="ranks (torchrun processes)")
+    bench_ckpt.add_argument("--steps", type=int, default=30, help="steps per run")
+    bench_ckpt.add_argument("--every", type=int, default=6, help="steps between checkpoints")
+    bench_ckpt.add_argument("--repeats", type=int, default=2, help="interleaved runs of each variant")
+    bench_recovery = bench_sub.add_parser("recovery", help="time from a worker's SIGKILL to the next completed step")
+    bench_recovery.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config to train")
+    bench_recovery.add_argument("overrides", nargs="*", help="dotted overrides, for example run.dir=/tmp/bench")
+    bench_recovery.add_argument("--kill-after", type=int, default=12, help="kill a worker once this step is done")
     bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
     bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
     bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -59,6 +72,23 @@ def main(argv: list[str] | None = None) -> int:
         config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
         if args.command == "config":
             print(config.to_yaml(), end="")
+            return 0
+        if args.command == "bench" and args.bench_command == "checkpoint":
+            from rayllm.bench import checkpoint as bench_checkpoint
+
+            result = bench_checkpoint.run(
+                args.config, args.overrides, args.workers, args.steps, args.every, args.repeats
+            )
+            print(bench_checkpoint.format_result(result))
+            return 0
+        if args.command == "bench" and args.bench_command == "recovery":
+            from rayllm.bench import recovery as bench_recovery
+
+            if not any(o.startswith("run.dir=") for o in args.overrides):
+                import tempfile
+
+                config.run.dir = tempfile.mkdtemp(prefix="rayllm-bench-recovery-")  # never resume a real run
+            print(bench_recovery.format_result(bench_recovery.run(config, args.kill_after)))
             return 0
         if args.command == "bench" and args.bench_command == "memory":
             from rayllm.bench import memory as bench_memory

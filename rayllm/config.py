@@ -118,6 +118,8 @@ class TrainingSettings:
     # Also checkpoint when this many seconds have passed since the last one (null: steps only).
     checkpoint_every_s: float | None = None
     keep_checkpoints: int = 2
+    # Also keep every checkpoint at a multiple of this many steps, in run.dir/kept/ (null: none).
+    keep_checkpoint_every: int | None = None
     # Write checkpoints in the background (DCP async_save, then an async upload): the step loop
     # waits only for the copy to CPU memory. Off: every save blocks until it is stored.
     async_checkpoint: bool = True
@@ -135,7 +137,8 @@ class ClusterSettings:
     cpus_per_worker: float = 1.0
     # Custom Ray resources each worker also needs, to pin workers to node types: {trainer: 1}.
     worker_resources: dict[str, float] = field(default_factory=dict)
-    max_failures: int = 0
+    # Restarts from the latest checkpoint after a worker, node or rank failure (-1: without limit).
+    max_failures: int = 3
     # With [min, max] workers: how often Ray Train checks for room to grow the worker group.
     resize_interval_s: float = 60.0
     # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
@@ -218,6 +221,8 @@ class TrainConfig:
                 "data.shuffle_window",
             ],
         )
+        if t.keep_checkpoint_every is not None and t.keep_checkpoint_every <= 0:
+            raise ConfigError("train.keep_checkpoint_every must be a positive number of steps (or null)")
         if t.checkpoint_every_s is not None and t.checkpoint_every_s <= 0:
             raise ConfigError("train.checkpoint_every_s must be a positive number of seconds (or null for steps only)")
         if c.resize_interval_s <= 0:

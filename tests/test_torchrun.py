@@ -68,3 +68,21 @@ def test_stopped_run_resumes_at_its_step_and_matches(base, tmp_path):
     resumed = losses(records[records.index(starts[-1]) :])
     assert sorted(resumed) == [4, 5, 6]
     assert abs(resumed[6] - full[6]) / full[6] <= 1e-4
+
+
+def test_every_mth_checkpoint_is_kept_beside_the_last_k(base, tmp_path):
+    run_dir = tmp_path / "run"
+    torchrun(
+        1,
+        [
+            *base,
+            f"run.dir={run_dir}",
+            "train.max_steps=8",
+            "train.checkpoint_every=2",
+            "train.keep_checkpoints=1",
+            "train.keep_checkpoint_every=4",
+        ],
+    )
+    assert [p.name for p in run_dir.glob("checkpoint_*")] == ["checkpoint_00000008"]
+    assert sorted(p.name for p in run_dir.glob("kept/*")) == ["checkpoint_00000004", "checkpoint_00000008"]
+    assert json.loads((run_dir / "kept" / "checkpoint_00000004" / "train_state.json").read_text())["step"] == 4

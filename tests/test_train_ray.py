@@ -25,7 +25,8 @@ def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_pat
         "train.max_steps=30",
         "train.log_every=5",
         "train.val_every=15",
-        "train.checkpoint_every=15",
+        "train.checkpoint_every=5",
+        "train.keep_checkpoint_every=10",
         "train.warmup_steps=5",
     )
     assert result.step == 30
@@ -36,6 +37,13 @@ def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_pat
     with open(f"{result.checkpoint}/train_state.json") as f:
         assert json.load(f)["step"] == 30
     run_dir = tmp_path / "run"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_0*")) == ["checkpoint_00000025", "checkpoint_00000030"]
+    kept = sorted(run_dir.glob("kept/*"))  # every 10th, complete, beside the last 2
+    assert [p.name for p in kept] == [f"checkpoint_{s:08d}" for s in (10, 20, 30)]
+    assert result.kept_checkpoints == [str(p) for p in kept]
+    for path, step in zip(kept, (10, 20, 30), strict=True):
+        assert json.loads((path / "train_state.json").read_text())["step"] == step
+        assert (path / ".metadata").exists()
     assert TrainConfig.from_yaml(run_dir / "config.yaml").train.max_steps == 30  # resolved config saved
 
     import aim

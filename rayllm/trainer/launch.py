@@ -20,6 +20,7 @@ from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.trainer import faults
+from rayllm.trainer.milestones import MilestoneKeeper
 from rayllm.trainer.monitor import RunMonitor
 
 
@@ -44,6 +45,8 @@ class TrainResult:
     data_report: dict[str, Any] = field(default_factory=dict)
     # The signal (SIGTERM, SIGINT) that ended the run early, after a checkpoint; None when it ran to the end.
     stopped_by: str | None = None
+    # Every train.keep_checkpoint_every-th checkpoint, copied to run.dir/kept/.
+    kept_checkpoints: list[str] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @property
@@ -125,17 +128,28 @@ def _failure_message(error: BaseException) -> str:
     return text
 
 
-class StopFlag:
-    """A Ray actor the driver sets on SIGTERM/SIGINT; rank 0 reads it between steps."""
+class RunControl:
+    """A Ray actor on the driver's node that outlives worker-group restarts: the stop flag the
+    driver sets on SIGTERM/SIGINT (rank 0 reads it between steps), and the first rayllm error a
+    rank hit, so that the attempts Ray Train starts after it fail at once with the same message
+    instead of retrying what cannot succeed (a bad shard, a config the world size cannot take)."""
 
     def __init__(self):
         self._requested = False
+        self._fatal: str | None = None
 
     def request(self) -> None:
         self._requested = True
 
     def requested(self) -> bool:
         return self._requested
+
+    def set_fatal(self, message: str) -> None:
+        if self._fatal is None:
+            self._fatal = message
+
+    def fatal(self) -> str | None:
+        return self._fatal
 
 
 def _stop_on_signals(control, stopped_by: list[str], log):
@@ -186,7 +200,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-    control = ray.remote(StopFlag).options(num_cpus=0, scheduling_strategy=here).remote()
+    control = ray.remote(RunControl).options(num_cpus=0, scheduling_strategy=here).remote()
     storage_path, name, fs = _storage(config)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
@@ -214,11 +228,17 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         ),
     )
     stop = threading.Event()
+    keeper = MilestoneKeeper(config)
+
+    def handle(record: dict[str, Any]) -> None:
+        monitor.handle(record)
+        if record.get("kind") == "checkpoint":
+            keeper.saw_checkpoint(int(record["step"]))
 
     def follow() -> None:
         while not stop.is_set():
             try:
-                monitor.handle(records.get(timeout=0.5))
+                handle(records.get(timeout=0.5))
             except queue_lib.Empty:
                 continue
             except Exception:
@@ -240,9 +260,10 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         follower.join(timeout=5)
         while True:
             try:
-                monitor.handle(records.get_nowait())
+                handle(records.get_nowait())
             except Exception:
                 break
+        keeper.close()
         monitor.close()
         try:
             records.shutdown()
@@ -269,6 +290,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         peak_memory_bytes=metrics.get("peak_memory_bytes"),
         data_report=monitor.data_report(),
         stopped_by=stopped_by[0] if stopped_by else None,
+        kept_checkpoints=list(keeper.kept),
         history=monitor.history,
     )
     if not quiet:

@@ -79,7 +79,9 @@ class _Checkpoint:
     state: dict[str, Any]
     metrics: dict[str, Any]
     ids: np.ndarray | None
-    future: Any = None  # a concurrent.futures.Future from dcp.async_save, None once written
+    final: bool = False
+    copied: Any = None  # futures from an async save: shards copied to CPU memory; None once waited for
+    future: Any = None  # ... shards written; None once written
     stall_s: float = 0.0  # time the step loop spent on this checkpoint
 
 
@@ -139,6 +141,7 @@ class Trainer:
         # per-step control flags. Collectives from two threads on one group would interleave.
         self._control_group = None
         self._checkpoint_group = None
+        self._writer: checkpoint.AsyncWriter | None = None
         self._last_checkpoint_at = time.monotonic()
         self.stopped = False  # ended early on a stop request, with a checkpoint
 
@@ -183,10 +186,17 @@ class Trainer:
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
             self._consumed_ids = []
         ckpt = _Checkpoint(
-            self.step, self.session.checkpoint_dir(self.step), self._state(metrics, total_counts), dict(metrics), ids
+            self.step,
+            self.session.checkpoint_dir(self.step),
+            self._state(metrics, total_counts),
+            dict(metrics),
+            ids,
+            final=final,
         )
         if self.config.train.async_checkpoint and not final:
-            ckpt.future = checkpoint.save_async(ckpt.directory, self.model, self.optimizer, self._checkpoint_group)
+            if self._writer is None:
+                self._writer = checkpoint.AsyncWriter(self.device, self._checkpoint_group)
+            ckpt.copied, ckpt.future = self._writer.save(ckpt.directory, self.model, self.optimizer)
             ckpt.stall_s = time.perf_counter() - started
             self._pending = ckpt
         else:
@@ -197,6 +207,7 @@ class Trainer:
     def _commit(self, ckpt: _Checkpoint, upload_async: bool) -> None:
         """Collective: wait for the shards, add rank 0's state (and the ids), hand it to the session."""
         started = time.perf_counter()
+        self._wait_copied()
         if ckpt.future is not None:
             ckpt.future.result()
             ckpt.future = None
@@ -217,8 +228,19 @@ class Trainer:
                     "step": ckpt.step,
                     "stall_s": ckpt.stall_s,
                     "async": upload_async,
+                    "final": ckpt.final,
                 }
             )
+
+    def _wait_copied(self) -> None:
+        """Before weights change: wait until a pending async save has copied them (its stall)."""
+        ckpt = self._pending
+        if ckpt is None or ckpt.copied is None:
+            return
+        started = time.perf_counter()
+        ckpt.copied.result()
+        ckpt.copied = None
+        ckpt.stall_s += time.perf_counter() - started
 
     def _control(self) -> tuple[bool, bool, bool]:
         """(a write still running on some rank, stop requested, checkpoint time due): agreed by
@@ -259,6 +281,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        self._wait_copied()  # an async save's copy overlapped forward and backward; the step changes the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -389,6 +412,9 @@ class Trainer:
                 window_start = time.perf_counter()
         if self._pending is not None:
             self._commit(self._pending, upload_async=False)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self.last_metrics = metrics
         close = getattr(session, "close", None)
         if close is not None:

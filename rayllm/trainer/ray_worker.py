@@ -14,6 +14,7 @@ import torch
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.ray_stream import served_batches, start_server
+from rayllm.errors import RayllmError
 from rayllm.trainer.loop import Trainer
 
 
@@ -139,5 +140,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
-    session = RaySession(config, loop_config["queue"], loop_config["plans"], loop_config.get("control"))
-    Trainer(config, session).fit()
+    control = loop_config.get("control")
+    if control is not None:
+        import ray
+
+        earlier = ray.get(control.fatal.remote())
+        if earlier:  # an earlier attempt hit an error no restart fixes: fail now, with its message
+            raise RayllmError(earlier)
+    session = RaySession(config, loop_config["queue"], loop_config["plans"], control)
+    try:
+        Trainer(config, session).fit()
+    except RayllmError as e:
+        if control is not None:
+            import ray
+
+            ray.get(control.set_fatal.remote(str(e)))
+        raise

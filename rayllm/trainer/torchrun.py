@@ -27,6 +27,7 @@ from rayllm.data.plan import DataPlans, prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
 from rayllm.trainer.loop import Trainer
+from rayllm.trainer.milestones import KEPT_DIR, is_milestone
 from rayllm.trainer.monitor import RunMonitor
 
 _STOP = threading.Event()  # set by SIGTERM/SIGINT: checkpoint at the next step and end
@@ -78,6 +79,11 @@ class LocalSession:
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(directory, final)  # atomic on one filesystem: complete, or not there
+            if is_milestone(step, self.config.train.keep_checkpoint_every):
+                kept = os.path.join(self.run_dir, KEPT_DIR, os.path.basename(final))
+                shutil.rmtree(kept + ".tmp", ignore_errors=True)
+                shutil.copytree(final, kept + ".tmp")
+                os.replace(kept + ".tmp", kept)
             for old in self.checkpoints()[: -self.config.train.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         dist.barrier()

@@ -1,0 +1,142 @@
+"""``rayllm bench recovery``: the time from a training worker's SIGKILL to the next completed step.
+
+A run on the local Ray (or RAY_ADDRESS) trains as the config says; once it has passed
+``--kill-after`` steps, one training worker process is killed with SIGKILL, as a crashed
+process or an OOM kill would be. Ray Train notices, restarts the worker group, rayllm
+restores the latest checkpoint (resharded) and resumes the data stream. From the driver's
+progress records (metrics.jsonl, stamped as they arrive) the report gives:
+
+- kill -> restarted: the new worker group has restored the checkpoint and starts its loop;
+- kill -> next completed step: the first step the new group finishes;
+- kill -> past the killed step: training is back where it was (the steps since the last
+  checkpoint are trained again);
+- beside them, the same run's cold start (driver start -> first step), for scale.
+
+Ray Train's own settings apply as the user has them; RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
+(how often the controller polls workers, 2 s by default) bounds how fast a death is seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from rayllm.config import TrainConfig
+from rayllm.errors import RayllmError
+
+
+@dataclasses.dataclass
+class Result:
+    world_size: int
+    killed_after_step: int
+    resumed_from_step: int
+    cold_start_s: float
+    restart_s: float
+    next_step_s: float
+    caught_up_s: float
+    step_time_s: float
+
+
+def _records(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _latest_step(run_dir: str) -> int:
+    steps = [r["step"] for r in _records(run_dir) if r["kind"] == "train"]
+    return max(steps, default=0)
+
+
+def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> Result:
+    from rayllm.trainer.launch import connect_ray, train
+
+    if config.cluster.max_failures < 1:
+        raise RayllmError("bench recovery needs cluster.max_failures >= 1 (the run must survive the kill)")
+    t = config.train
+    if t.checkpoint_every >= kill_after:
+        raise RayllmError(
+            f"train.checkpoint_every ({t.checkpoint_every}) must be below --kill-after ({kill_after}): "
+            "the kill must come after a checkpoint, for example train.checkpoint_every=5"
+        )
+    t.log_every = 1  # every step's record, for the timings
+    t.stop_at_step = kill_after + 2 * t.checkpoint_every  # enough to get past the killed step
+    if t.stop_at_step > t.max_steps:
+        raise RayllmError(f"train.max_steps must be at least {t.stop_at_step} for --kill-after {kill_after}")
+    run_dir = config.run.dir
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise RayllmError(f"run.dir {run_dir} already holds a run; give the benchmark a fresh run.dir")
+    connect_ray(config)
+    import ray
+    from ray.util.state import list_actors
+
+    job = ray.get_runtime_context().get_job_id()  # on a shared cluster, kill only this run's workers
+
+    box: dict[str, Any] = {}
+    started = time.time()
+
+    def target() -> None:
+        try:
+            box["result"] = train(config, quiet=True)
+        except BaseException as e:  # reported below
+            box["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    killed_at = None
+    while thread.is_alive() and time.time() - started < timeout_s:
+        if _latest_step(run_dir) >= kill_after:
+            workers = list_actors(
+                filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE"), ("job_id", "=", job)]
+            )
+            if workers:
+                os.kill(workers[-1].pid, signal.SIGKILL)
+                killed_at = time.time()
+                break
+        time.sleep(0.05)
+    thread.join(timeout=max(1.0, timeout_s - (time.time() - started)))
+    if "error" in box:
+        raise RayllmError(f"the benchmark run failed: {box['error']}")
+    if killed_at is None or "result" not in box:
+        raise RayllmError("the benchmark run ended before a worker could be killed; raise train.max_steps")
+    records = _records(run_dir)
+    before = [r for r in records if r["time"] < killed_at]
+    after = [r for r in records if r["time"] >= killed_at]
+    killed_step = max(r["step"] for r in before if r["kind"] == "train")
+    restart = next(r for r in after if r["kind"] == "start")
+    steps_after = [r for r in after if r["kind"] == "train"]
+    caught_up = next(r for r in steps_after if r["step"] > killed_step)
+    first = next(r for r in records if r["kind"] == "first_step")
+    step_times = [r["step_time_s"] for r in before if r["kind"] == "train"][1:]
+    return Result(
+        world_size=restart["world_size"],
+        killed_after_step=killed_step,
+        resumed_from_step=restart["step"],
+        cold_start_s=first["time"] - started,
+        restart_s=restart["time"] - killed_at,
+        next_step_s=steps_after[0]["time"] - killed_at,
+        caught_up_s=caught_up["time"] - killed_at,
+        step_time_s=sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
+    )
+
+
+def format_result(r: Result) -> str:
+    redone = r.killed_after_step - r.resumed_from_step
+    return "\n".join(
+        [
+            f"recovery from a SIGKILLed training worker ({r.world_size} workers, killed after step "
+            f"{r.killed_after_step}, resumed from the checkpoint of step {r.resumed_from_step})",
+            f"  kill -> worker group restarted, checkpoint restored  {r.restart_s:7.1f} s",
+            f"  kill -> next completed step                           {r.next_step_s:7.1f} s",
+            f"  kill -> past the killed step ({redone} steps trained again) {r.caught_up_s:7.1f} s",
+            f"  for scale: cold start to the first step               {r.cold_start_s:7.1f} s;"
+            f" one step {r.step_time_s:.2f} s",
+        ]
+    )

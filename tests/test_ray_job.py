@@ -1,0 +1,158 @@
+"""Through a real `ray start --head` (127.0.0.1, token authentication) and real `ray job submit`:
+`ray job stop` sends the job SIGTERM, rayllm saves a checkpoint at the next step, and
+submitting the same job again resumes from that checkpoint and finishes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TEST_MODEL, free_port
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 200
+
+
+def _kill_head(temp_dir: Path, gcs_address: str) -> None:
+    """End this head's processes and their children only (`ray stop` would end every Ray on the
+    machine, the test session's own included)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(temp_dir) in cmdline or gcs_address in cmdline:
+            found.append(proc)
+            try:
+                found.extend(proc.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    for proc in found:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A head node started by the CLI, with its own temp dir (so `ray.init()` elsewhere in the
+    session never finds it) and token authentication on; yields (dashboard address, env)."""
+    temp_dir = tmp_path_factory.mktemp("ray-head")
+    dashboard = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    gcs_address = f"127.0.0.1:{free_port()}"
+    cmd = [
+        "ray",
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_address.split(':')[1]}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard}",
+        # Ports of its own: the test session's local Ray holds the defaults.
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--num-cpus=4",
+        "--disable-usage-stats",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        _kill_head(temp_dir, gcs_address)
+
+
+def _job(address: str, env: dict, command: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ray", "job", command, "--address", address, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _submit(address: str, env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`ray job submit`, retried while the head's job agent is still starting."""
+    deadline = time.time() + 90
+    while True:
+        proc = _job(address, env, "submit", *args, timeout=timeout)
+        if "No available agent" not in proc.stdout + proc.stderr or time.time() > deadline:
+            return proc
+        time.sleep(2)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tokenizer_file, tmp_path):
+    address, env = ray_head
+    run_dir = tmp_path / "run"
+    entry = [
+        sys.executable,
+        "jobs/pretrain.py",
+        "configs/tiny.yaml",
+        *TEST_MODEL,
+        f"data.train={corpus / 'train'}",
+        "data.val=null",
+        f"data.tokenizer={tokenizer_file}",
+        "data.demo_corpus=false",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.checkpoint_every=1000",
+        "tracking.enabled=false",
+        "cluster.num_workers=2",
+        f"run.dir={run_dir}",
+    ]
+    # ray job stop gives a job 3 s before SIGKILL by default; the README says to give it more.
+    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
+    common = ["--working-dir", str(REPO), "--runtime-env-json", runtime_env]
+    submitted = _submit(address, env, "--no-wait", *common, "--", *entry, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
+
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(r["kind"] == "train" and r["step"] >= 5 for r in _records(run_dir)):
+        time.sleep(1)
+        status = _job(address, env, "status", job_id).stdout.lower()
+        if any(end in status for end in ("failed", "succeeded", "stopped")):
+            break
+    assert any(r["kind"] == "train" for r in _records(run_dir)), _job(address, env, "logs", job_id).stdout[-3000:]
+
+    stopped = _job(address, env, "stop", job_id, timeout=300)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    status = _job(address, env, "status", job_id)
+    assert "was stopped" in status.stdout + status.stderr
+    logs = _job(address, env, "logs", job_id).stdout
+    assert "SIGTERM: saving a checkpoint at the next step" in logs, logs[-3000:]
+    records = _records(run_dir)
+    stop_step = next(r["step"] for r in records if r["kind"] == "stopped")
+    assert 5 <= stop_step < STEPS
+    checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
+    assert checkpoints[-1] == f"checkpoint_{stop_step:08d}"  # the stop's checkpoint, not a periodic one
+
+    again = _submit(address, env, *common, "--", *entry)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    starts = [r for r in _records(run_dir) if r["kind"] == "start"]
+    assert [s["step"] for s in starts] == [0, stop_step]  # the second job resumed where the first stopped
+    done = [r for r in _records(run_dir) if r["kind"] == "train"][-1]
+    assert done["step"] == STEPS
