@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,11 @@ class StorageSettings:
 
 
 SECRET_KEYS = ("key", "secret")
+
+
+def redact_url(url: str) -> str:
+    """``scheme://user:password@host`` -> ``scheme://<redacted>@host``: credentials inside URLs."""
+    return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", url)
 
 
 @dataclass
@@ -114,6 +120,9 @@ class TrainingSettings:
     log_every: int = 10
     val_every: int = 100
     val_batches: int = 4
+    # At each validation, greedy continuations of these prompts go to Aim as text (0 tokens: off).
+    sample_prompts: list[str] = field(default_factory=lambda: ["The ", "def "])
+    sample_tokens: int = 32
     checkpoint_every: int = 100
     # Also checkpoint when this many seconds have passed since the last one (null: steps only).
     checkpoint_every_s: float | None = None
@@ -152,6 +161,9 @@ class TrackingSettings:
     enabled: bool = True
     repo: str | None = None
     experiment: str | None = None
+    # With an ``aim://`` repo: how long the end of a run waits for an unreachable server to come
+    # back and take what Aim buffered, before it gives that up (it stays in metrics.jsonl).
+    flush_timeout_s: float = 60.0
 
 
 @dataclass
@@ -185,10 +197,29 @@ class TrainConfig:
     def redacted(self) -> dict[str, Any]:
         """The tree as a run records it: credentials replaced, so they never reach a log or tracker."""
         tree = self.to_dict()
+        storage = tree["data"]["storage"]
         for key in SECRET_KEYS:
-            if tree["data"]["storage"].get(key):
-                tree["data"]["storage"][key] = "<redacted>"
+            if storage.get(key):
+                storage[key] = "<redacted>"
+        if storage.get("endpoint_url"):
+            storage["endpoint_url"] = redact_url(storage["endpoint_url"])
+        if tree["tracking"].get("repo"):
+            tree["tracking"]["repo"] = redact_url(tree["tracking"]["repo"])
         return tree
+
+    def secrets(self) -> dict[str, str]:
+        """The values ``redacted`` hides, to travel apart from the config (as a Ray object)."""
+        storage = self.data.storage
+        found = {key: getattr(storage, key) for key in SECRET_KEYS if getattr(storage, key)}
+        if storage.endpoint_url and redact_url(storage.endpoint_url) != storage.endpoint_url:
+            found["endpoint_url"] = storage.endpoint_url
+        return found
+
+    def with_secrets(self, secrets: dict[str, str]) -> TrainConfig:
+        """This config with the values ``secrets`` gave back in place of the redacted ones."""
+        for key, value in secrets.items():
+            setattr(self.data.storage, key, value)
+        return self
 
     def with_overrides(self, overrides: list[str]) -> TrainConfig:
         return TrainConfig.from_dict(self.to_dict(), overrides)

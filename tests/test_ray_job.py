@@ -104,39 +104,54 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tokenizer_file, tmp_path):
-    address, env = ray_head
-    run_dir = tmp_path / "run"
-    entry = [
+def _pretrain(corpus: Path, tokenizer_file: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """The job's entrypoint: jobs/pretrain.py on the test corpus and model, 2 workers."""
+    return [
         sys.executable,
         "jobs/pretrain.py",
         "configs/tiny.yaml",
         *TEST_MODEL,
         f"data.train={corpus / 'train'}",
-        "data.val=null",
         f"data.tokenizer={tokenizer_file}",
         "data.demo_corpus=false",
-        f"train.max_steps={STEPS}",
         "train.log_every=1",
-        "train.checkpoint_every=1000",
-        "tracking.enabled=false",
         "cluster.num_workers=2",
         f"run.dir={run_dir}",
+        *overrides,
     ]
-    # ray job stop gives a job 3 s before SIGKILL by default; the README says to give it more.
-    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
-    common = ["--working-dir", str(REPO), "--runtime-env-json", runtime_env]
-    submitted = _submit(address, env, "--no-wait", *common, "--", *entry, timeout=120)
+
+
+def _submit_until_step(address: str, env: dict, run_dir: Path, step: int, *args: str) -> str:
+    """Submit without waiting; return the job id once the run has logged ``step`` (or ended)."""
+    submitted = _submit(address, env, "--no-wait", *args, timeout=120)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
-
     deadline = time.time() + 300
-    while time.time() < deadline and not any(r["kind"] == "train" and r["step"] >= 5 for r in _records(run_dir)):
+    while time.time() < deadline and not any(r["kind"] == "train" and r["step"] >= step for r in _records(run_dir)):
         time.sleep(1)
         status = _job(address, env, "status", job_id).stdout.lower()
         if any(end in status for end in ("failed", "succeeded", "stopped")):
             break
     assert any(r["kind"] == "train" for r in _records(run_dir)), _job(address, env, "logs", job_id).stdout[-3000:]
+    return job_id
+
+
+def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tokenizer_file, tmp_path):
+    address, env = ray_head
+    run_dir = tmp_path / "run"
+    entry = _pretrain(
+        corpus,
+        tokenizer_file,
+        run_dir,
+        "data.val=null",
+        f"train.max_steps={STEPS}",
+        "train.checkpoint_every=1000",
+        "tracking.enabled=false",
+    )
+    # ray job stop gives a job 3 s before SIGKILL by default; the README says to give it more.
+    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
+    common = ["--working-dir", str(REPO), "--runtime-env-json", runtime_env]
+    job_id = _submit_until_step(address, env, run_dir, 5, *common, "--", *entry)
 
     stopped = _job(address, env, "stop", job_id, timeout=300)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -156,3 +171,50 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tok
     assert [s["step"] for s in starts] == [0, stop_step]  # the second job resumed where the first stopped
     done = [r for r in _records(run_dir) if r["kind"] == "train"][-1]
     assert done["step"] == STEPS
+
+
+def test_a_killed_driver_submitted_again_resumes_as_the_same_aim_run(ray_head, corpus, tokenizer_file, tmp_path):
+    """The driver (the job's entrypoint) is SIGKILLed mid-run; the same job submitted again
+    resumes from the latest checkpoint, and Aim shows one run whose steps continue."""
+    import aim
+    import psutil
+
+    address, env = ray_head
+    run_dir = tmp_path / "run"
+    steps = 60
+    entry = _pretrain(
+        corpus,
+        tokenizer_file,
+        run_dir,
+        f"data.val={corpus / 'val'}",
+        f"train.max_steps={steps}",
+        "train.val_every=20",
+        "train.checkpoint_every=5",
+    )
+    common = ["--working-dir", str(REPO)]
+    job_id = _submit_until_step(address, env, run_dir, 12, *common, "--", *entry)
+    drivers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "jobs/pretrain.py" in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"])
+    ]
+    assert drivers, _job(address, env, "logs", job_id).stdout[-3000:]
+    for p in drivers:
+        p.kill()  # SIGKILL: no handler runs, no final checkpoint
+    deadline = time.time() + 120
+    while time.time() < deadline and "failed" not in _job(address, env, "status", job_id).stdout.lower():
+        time.sleep(1)
+    killed_at = max(r["step"] for r in _records(run_dir) if r["kind"] == "train")
+    assert killed_at < steps
+
+    again = _submit(address, env, *common, "--", *entry)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    starts = [r for r in _records(run_dir) if r["kind"] == "start"]
+    assert len(starts) == 2 and 5 <= starts[1]["step"] <= killed_at and starts[1]["step"] % 5 == 0
+
+    repo = aim.Repo(str(run_dir / "aim"))
+    runs = list(repo.iter_runs())
+    assert len(runs) == 1  # one Aim run for the whole training run, no duplicate after the kill
+    metrics = {m.name: m.dataframe() for m in runs[0].metrics() if m.context.to_dict().get("subset") == "train"}
+    assert list(metrics["loss"]["step"]) == list(range(1, steps + 1))  # steps continue, each once
+    assert metrics["restarts"]["value"].iloc[-1] == 1

@@ -61,3 +61,11 @@ def test_train_from_s3_with_checkpoints_on_s3_and_resume(ray_local, s3_server, b
     assert starts[0]["step"] == 2
     assert second.step == 4
     assert second.checkpoint == "s3://rayllm-test/runs/s3run/checkpoint_00000004"
+    # metrics.jsonl on object storage holds both drivers' records, the first's kept.
+    log = bucket.get_object(Bucket="rayllm-test", Key="runs/s3run/metrics.jsonl")["Body"].read().decode()
+    records = [json.loads(line) for line in log.splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "start"] == [0, 2]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3, 4]
+    # Credentials never reach the config the run records.
+    config_text = bucket.get_object(Bucket="rayllm-test", Key="runs/s3run/config.yaml")["Body"].read().decode()
+    assert "secret: <redacted>" in config_text and "testing" not in config_text

@@ -1,10 +1,13 @@
 """The main job through Ray Train on a real local Ray (127.0.0.1): the Python API end to end."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rayllm import RayllmError, TrainConfig, train
+from rayllm.trainer.monitor import TRAIN_METRICS
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +67,34 @@ def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_pat
     for name in ("lr", "grad_norm", "tokens_per_s"):
         assert list(tracked[(name, "train")]["step"]) == [5, 10, 15, 20, 25, 30]
     assert tracked[("loss", "train")]["value"].iloc[-1] == pytest.approx(result.loss)
+
+    aim_run = repo.get_run(result.aim_run_hash)
+    series = {(m.name, m.context.to_dict().get("subset")): m.dataframe() for m in aim_run.metrics()}
+    for name in TRAIN_METRICS:  # loss, perplexity, mfu, memory, world size, restarts, ...
+        assert list(series[(name, "train")]["step"]) == [5, 10, 15, 20, 25, 30], name
+    train_loss = series[("loss", "train")]["value"]
+    assert series[("perplexity", "train")]["value"].tolist() == pytest.approx(np.exp(train_loss).tolist())
+    assert 0 < series[("mfu", "train")]["value"].iloc[-1] < 1  # against this machine's measured matmul peak
+    assert set(series[("world_size", "train")]["value"]) == {2}
+    per_worker = series[("tokens_per_s_per_worker", "train")]["value"]
+    assert per_worker.tolist() == pytest.approx((series[("tokens_per_s", "train")]["value"] / 2).tolist())
+    assert list(series[("val_perplexity", "val")]["step"]) == [0, 15, 30]
+    assert series[("checkpoint_stall_s", "train")]["value"].min() >= 0
+    # Aim's own system metrics (CPU, memory of the driver's machine) beside ours.
+    assert any(name.startswith("__system__") for name, _ in series)
+    # Hyperparameters beyond the config: sizes, versions, code.
+    assert aim_run["num_params"] > 0 and aim_run["flops_per_token"] > 0 and aim_run["world_size"] == 2
+    assert aim_run["peak_flops"] > 0
+    assert aim_run["versions"]["torch"] and aim_run["versions"]["ray"]
+    if (Path(__file__).resolve().parents[1] / ".git").exists():  # run from a git checkout
+        assert len(aim_run["git_commit"]) >= 40
+    # Greedy samples of the default prompts at every validation, as Aim text.
+    from aim.storage.context import Context
+
+    texts = aim_run.get_text_sequence("samples", Context({"prompt": "0"}))
+    samples = dict(texts.data.items())
+    assert sorted(samples) == [15, 30]
+    assert all(value[0].data.startswith("The ") for value in samples.values())
 
 
 @pytest.fixture(scope="module")

@@ -198,14 +198,23 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     # The driver's own actors live on the driver's node: a lost worker node must not take them along.
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # Hard affinity: with soft=True Ray placed them on other nodes (seen on a 3-node cluster), and a
+    # node lost then took the progress queue along. The driver's node lives as long as the driver.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     control = ray.remote(RunControl).options(num_cpus=0, scheduling_strategy=here).remote()
     storage_path, name, fs = _storage(config)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": config.to_dict(), "queue": records, "plans": plans, "control": control},
+        # The config travels redacted; its credentials go as a Ray object, never shown as text.
+        train_loop_config={
+            "config": config.redacted(),
+            "secrets": ray.put(config.secrets()),
+            "queue": records,
+            "plans": plans,
+            "control": control,
+        },
         scaling_config=ray.train.ScalingConfig(
             num_workers=lo if lo == hi else (lo, hi),
             elastic_resize_monitor_interval_s=config.cluster.resize_interval_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import resource
 import time
@@ -26,10 +27,13 @@ import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
+from rayllm.data import tokenizer as tokenizers
 from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
+from rayllm.hardware import matmul_peak_flops
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
+from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel import compute_dtype, parallelize
 from rayllm.trainer import faults
 from rayllm.trainer.schedule import lr_at
@@ -135,6 +139,8 @@ class Trainer:
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
         self._val_rows: list[np.ndarray] | None = None
+        self._tokenizer = None  # for samples, loaded on first use
+        self._eos: int | None = None
         self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
         self._pending: _Checkpoint | None = None  # an async checkpoint still being written
         # Two gloo groups of their own: one for the background writer's collectives, one for the
@@ -288,6 +294,24 @@ class Trainer:
         self.consumed += t.global_batch_size
         return total, float(norm)
 
+    def samples(self) -> list[dict[str, str]]:
+        """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them)."""
+        t = self.config.train
+        if t.sample_tokens <= 0 or not t.sample_prompts:
+            return []
+        if self._tokenizer is None:
+            source = self.session.train_plan.sources[0]
+            self._tokenizer = tokenizers.load(source.tokenizer_json, "the run's tokenizer")
+            self._eos = tokenizers.eos_id(self._tokenizer)
+        prompts = [self._tokenizer.encode(p, add_special_tokens=False).ids for p in t.sample_prompts]
+        outputs = greedy_continuations(self.model, prompts, t.sample_tokens, self.args.max_seq_len, self.device)
+        results = []
+        for prompt, ids in zip(t.sample_prompts, outputs, strict=True):
+            if self._eos in ids:
+                ids = ids[: ids.index(self._eos)]
+            results.append({"prompt": prompt, "text": prompt + self._tokenizer.decode(ids)})
+        return results
+
     @torch.no_grad()
     def validate(self) -> float | None:
         plan = self.session.val_plan
@@ -328,6 +352,8 @@ class Trainer:
             self._checkpoint_group = dist.new_group(backend="gloo")
         tokens_per_step = t.global_batch_size * self.config.data.seq_len
         fpt = flops_per_token(self.args, self.config.data.seq_len)
+        # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
+        (peak_flops,) = _all_sum([matmul_peak_flops(self.device)], self.device)
         if rank0:
             session.emit(
                 {
@@ -336,6 +362,7 @@ class Trainer:
                     "world_size": session.world_size,
                     "params": self.n_params,
                     "flops_per_token": fpt,
+                    "peak_flops": peak_flops,
                     "restarts": self.restarts,
                     "accum_steps": self.accum,
                 }
@@ -375,15 +402,19 @@ class Trainer:
                 loss_sum, wait_sum, *counts = _all_sum([window_loss, window_wait, *self.source_counts], self.device)
                 mixture = self._mixture(counts)
                 tps = tokens_per_step * window_steps / elapsed
+                mean_loss = loss_sum / session.world_size / window_steps
                 metrics.update(
                     {
                         "step": self.step,
-                        "loss": loss_sum / session.world_size / window_steps,
+                        "loss": mean_loss,
+                        "perplexity": math.exp(min(mean_loss, 50.0)),
                         "lr": self.optimizer.param_groups[0]["lr"],
                         "grad_norm": grad_norm,
                         "tokens": self.consumed * self.config.data.seq_len,
                         "tokens_per_s": tps,
+                        "tokens_per_s_per_worker": tps / session.world_size,
                         "flops_per_s": tps * fpt,
+                        "mfu": tps * fpt / peak_flops,
                         "step_time_s": elapsed / window_steps,
                         "data_wait_frac": wait_sum / session.world_size / elapsed,
                         "peak_memory_bytes": _peak_memory(self.device),
@@ -401,6 +432,9 @@ class Trainer:
                     metrics["val_loss"] = val
                     if rank0:
                         session.emit({"kind": "val", "step": self.step, "val_loss": val})
+                samples = self.samples()
+                if rank0 and samples:
+                    session.emit({"kind": "samples", "step": self.step, "samples": samples})
             if self.step % t.checkpoint_every == 0 or due or last:
                 self._checkpoint(metrics, final=last)
             if stop:

@@ -7,21 +7,25 @@ person can follow, Aim metrics, and a line of metrics.jsonl in the run dir.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 from typing import Any
 
 from rayllm.config import TrainConfig
-from rayllm.storage import is_remote, join, write_text
-from rayllm.tracking import Tracker
+from rayllm.storage import is_remote, join, read_text, write_text
+from rayllm.tracking import Tracker, environment
 
 TRAIN_METRICS = (
     "loss",
+    "perplexity",
     "lr",
     "grad_norm",
     "tokens_per_s",
+    "tokens_per_s_per_worker",
     "flops_per_s",
+    "mfu",
     "step_time_s",
     "data_wait_frac",
     "peak_memory_bytes",
@@ -30,6 +34,8 @@ TRAIN_METRICS = (
     "skipped_shards",
 )
 DATA_REPORT = "data_report.json"
+METRICS_LOG = "metrics.jsonl"
+REMOTE_FLUSH_S = 60.0
 
 
 def _duration(seconds: float) -> str:
@@ -45,6 +51,7 @@ class RunMonitor:
         self.out = out or sys.stdout
         self.tracker = Tracker(config)
         self.tracker.log_params(config.redacted())
+        self.tracker.log_params(environment())
         self.started = time.time()
         self.first_step_at: float | None = None
         self.history: list[dict[str, Any]] = []
@@ -54,9 +61,19 @@ class RunMonitor:
         self.skipped: list[dict[str, Any]] = []
         self.world_size: int | None = None  # of the latest attempt, to log resizes
         self._local_log = None
+        # On object storage, which cannot append, metrics.jsonl is rewritten whole: the earlier
+        # drivers' lines, then this one's, at most every REMOTE_FLUSH_S and at the end.
+        self._remote_log = join(config.run.dir, METRICS_LOG)
+        self._remote_before = ""
+        self._remote_flushed_at = time.monotonic()
         if not is_remote(config.run.dir):
             os.makedirs(config.run.dir, exist_ok=True)
-            self._local_log = open(os.path.join(config.run.dir, "metrics.jsonl"), "a")
+            self._local_log = open(os.path.join(config.run.dir, METRICS_LOG), "a")
+        else:
+            try:
+                self._remote_before = read_text(self._remote_log, config.data.storage) or ""
+            except Exception as e:
+                print(f"[rayllm] warning: could not read {self._remote_log}: {e}", file=sys.stderr)
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -69,6 +86,8 @@ class RunMonitor:
         if self._local_log:
             self._local_log.write(json.dumps(record) + "\n")
             self._local_log.flush()
+        elif time.monotonic() - self._remote_flushed_at >= REMOTE_FLUSH_S:
+            self._flush_remote()
         step = int(record.get("step", 0))
         if kind == "start":
             if self.world_size is not None and record["world_size"] != self.world_size:
@@ -79,6 +98,7 @@ class RunMonitor:
                     "world_size": record["world_size"],
                     "num_params": record["params"],
                     "flops_per_token": record["flops_per_token"],
+                    "peak_flops": record.get("peak_flops"),
                 }
             )
             verb = "resuming at step" if step else "starting at step"
@@ -108,14 +128,19 @@ class RunMonitor:
             eta = (total - step) * record["step_time_s"]
             self.say(
                 f"[rayllm] step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | ETA {_duration(eta)}"
+                f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}"
             )
         elif kind == "val":
             self.val_loss = record["val_loss"]
             if step == 0:
                 self.initial_val_loss = record["val_loss"]
-            self.tracker.log_metrics({"val_loss": record["val_loss"]}, step, "val")
+            perplexity = math.exp(min(record["val_loss"], 50.0))
+            self.tracker.log_metrics({"val_loss": record["val_loss"], "val_perplexity": perplexity}, step, "val")
             self.say(f"[rayllm] step {step} | val loss {record['val_loss']:.4f}")
+        elif kind == "samples":
+            for i, sample in enumerate(record["samples"]):
+                self.tracker.log_text(sample["text"], "samples", step, prompt=str(i))
         elif kind == "skipped":
             for entry in record["shards"]:
                 self.skipped.append(entry)
@@ -138,5 +163,12 @@ class RunMonitor:
         if self._local_log:
             self._local_log.close()
         elif self.history:
-            text = "".join(json.dumps(r) + "\n" for r in self.history)
-            write_text(join(self.config.run.dir, "metrics.jsonl"), text, self.config.data.storage)
+            self._flush_remote()
+
+    def _flush_remote(self) -> None:
+        self._remote_flushed_at = time.monotonic()
+        text = self._remote_before + "".join(json.dumps(r) + "\n" for r in self.history)
+        try:
+            write_text(self._remote_log, text, self.config.data.storage)
+        except Exception as e:  # a log is never worth stopping training over
+            print(f"[rayllm] warning: could not write {self._remote_log}: {e}", file=sys.stderr)

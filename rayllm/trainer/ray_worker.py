@@ -136,7 +136,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
-    config = TrainConfig.from_dict(loop_config["config"])
+    import ray
+
+    config = TrainConfig.from_dict(loop_config["config"]).with_secrets(ray.get(loop_config["secrets"]))
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
