@@ -150,6 +150,9 @@ class ClusterSettings:
     max_failures: int = 3
     # With [min, max] workers: how often Ray Train checks for room to grow the worker group.
     resize_interval_s: float = 60.0
+    # How often Ray Train's controller polls the workers: how soon a dead worker is noticed and a
+    # reported checkpoint registered, so resumable (null: Ray's own default, 2 s).
+    health_check_interval_s: float | None = None
     # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
     address: str | None = None
 

@@ -40,6 +40,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def checkpoint_registered(run_dir) -> bool:
+    """Whether Ray Train has registered a checkpoint of the run yet (so a failure now resumes from one)."""
+    try:
+        with open(os.path.join(run_dir, "checkpoint_manager_snapshot.json")) as f:
+            return bool(json.load(f).get("checkpoint_results"))
+    except (OSError, ValueError):
+        return False
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """A small real corpus (standard-library modules) as 3 jsonl train shards and a parquet val shard."""

@@ -29,6 +29,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
 
 import ray  # noqa: E402
+from conftest import checkpoint_registered  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayllm import TrainConfig, train  # noqa: E402
@@ -97,16 +98,6 @@ def trained_past(run_dir: str, step: int, world_size: int | None = None) -> bool
     return any(r["kind"] == "train" and r["step"] >= step for r in latest)
 
 
-def registered(run_dir: str) -> bool:
-    """Whether Ray Train has registered a checkpoint yet (so a failure now resumes from one)."""
-    path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
-    try:
-        with open(path) as f:
-            return bool(json.load(f).get("checkpoint_results"))
-    except (OSError, ValueError):
-        return False
-
-
 def scenario_reference(overrides, root):
     run_dir = f"{root}/reference"
     thread, box = run_in_thread(
@@ -124,7 +115,7 @@ def scenario_kill(overrides, root):
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
     thread, box = run_in_thread(config)
     killed_at = None
-    if wait_for(lambda: trained_past(run_dir, 9) and registered(run_dir)):
+    if wait_for(lambda: trained_past(run_dir, 9) and checkpoint_registered(run_dir)):
         workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
         os.kill(workers[-1].pid, signal.SIGKILL)
         killed_at = time.time()
@@ -155,7 +146,7 @@ def scenario_elastic(overrides, root, cluster, nodes):
     )
     thread, box = run_in_thread(config)
     events = []
-    if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and registered(run_dir)):
+    if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and checkpoint_registered(run_dir)):
         cluster.remove_node(nodes.pop(), allow_graceful=False)
         events.append("removed")
         if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):

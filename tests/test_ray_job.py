@@ -1,9 +1,11 @@
 """Through a real `ray start --head` (127.0.0.1, token authentication) and real `ray job submit`:
 `ray job stop` sends the job SIGTERM, rayllm saves a checkpoint at the next step, and
-submitting the same job again resumes from that checkpoint and finishes the run."""
+submitting the same job again resumes from that checkpoint and finishes the run; and after the
+head node is lost, the same job on a new head resumes from the latest checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, free_port
+from conftest import TEST_MODEL, checkpoint_registered, free_port
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -42,11 +44,11 @@ def _kill_head(temp_dir: Path, gcs_address: str) -> None:
             pass
 
 
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
+@contextlib.contextmanager
+def _head(temp_dir: Path):
     """A head node started by the CLI, with its own temp dir (so `ray.init()` elsewhere in the
-    session never finds it) and token authentication on; yields (dashboard address, env)."""
-    temp_dir = tmp_path_factory.mktemp("ray-head")
+    session never finds it; short, as Ray's socket paths in it must stay under 108 bytes) and
+    token authentication on; yields (dashboard address, env)."""
     dashboard = free_port()
     env = {
         **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
@@ -73,12 +75,18 @@ def ray_head(tmp_path_factory):
         "--num-cpus=4",
         "--disable-usage-stats",
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
         _kill_head(temp_dir, gcs_address)
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    with _head(tmp_path_factory.mktemp("ray-head")) as head:
+        yield head
 
 
 def _job(address: str, env: dict, command: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -173,13 +181,15 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tok
     assert done["step"] == STEPS
 
 
-def test_a_killed_driver_submitted_again_resumes_as_the_same_aim_run(ray_head, corpus, tokenizer_file, tmp_path):
-    """The driver (the job's entrypoint) is SIGKILLed mid-run; the same job submitted again
-    resumes from the latest checkpoint, and Aim shows one run whose steps continue."""
+def test_after_the_head_node_is_lost_the_same_job_on_a_new_head_resumes_as_the_same_aim_run(
+    corpus, tokenizer_file, tmp_path, tmp_path_factory
+):
+    """The head node dies mid-run (every process of it, the job's driver with them, as when its
+    machine goes away); on a new head the same job submitted again resumes from the latest
+    checkpoint in run.dir, and Aim shows one run whose steps continue (Ray issue #45516)."""
     import aim
     import psutil
 
-    address, env = ray_head
     run_dir = tmp_path / "run"
     steps = 60
     entry = _pretrain(
@@ -190,31 +200,34 @@ def test_a_killed_driver_submitted_again_resumes_as_the_same_aim_run(ray_head, c
         f"train.max_steps={steps}",
         "train.val_every=20",
         "train.checkpoint_every=5",
+        "cluster.health_check_interval_s=0.2",  # checkpoints come fast here: register each soon
     )
     common = ["--working-dir", str(REPO)]
-    job_id = _submit_until_step(address, env, run_dir, 12, *common, "--", *entry)
-    drivers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "jobs/pretrain.py" in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"])
-    ]
-    assert drivers, _job(address, env, "logs", job_id).stdout[-3000:]
-    for p in drivers:
-        p.kill()  # SIGKILL: no handler runs, no final checkpoint
-    deadline = time.time() + 120
-    while time.time() < deadline and "failed" not in _job(address, env, "status", job_id).stdout.lower():
-        time.sleep(1)
+    with _head(tmp_path_factory.mktemp("head")) as (address, env):
+        _submit_until_step(address, env, run_dir, 12, *common, "--", *entry)
+        deadline = time.time() + 60
+        while not checkpoint_registered(run_dir) and time.time() < deadline:
+            time.sleep(0.1)
+        drivers = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "jobs/pretrain.py" in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"])
+        ]
+        assert drivers
+        for p in drivers:
+            p.kill()  # SIGKILL, like the rest of the head: no handler runs, no final checkpoint
     killed_at = max(r["step"] for r in _records(run_dir) if r["kind"] == "train")
     assert killed_at < steps
 
-    again = _submit(address, env, *common, "--", *entry)
+    with _head(tmp_path_factory.mktemp("head")) as (address, env):
+        again = _submit(address, env, *common, "--", *entry)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     starts = [r for r in _records(run_dir) if r["kind"] == "start"]
     assert len(starts) == 2 and 5 <= starts[1]["step"] <= killed_at and starts[1]["step"] % 5 == 0
 
     repo = aim.Repo(str(run_dir / "aim"))
     runs = list(repo.iter_runs())
-    assert len(runs) == 1  # one Aim run for the whole training run, no duplicate after the kill
+    assert len(runs) == 1  # one Aim run for the whole training run, no duplicate after the loss
     metrics = {m.name: m.dataframe() for m in runs[0].metrics() if m.context.to_dict().get("subset") == "train"}
     assert list(metrics["loss"]["step"]) == list(range(1, steps + 1))  # steps continue, each once
     assert metrics["restarts"]["value"].iloc[-1] == 1

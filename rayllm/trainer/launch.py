@@ -6,6 +6,7 @@ This is the only code path for training: ``rayllm train``, ``jobs/pretrain.py`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_lib
 import threading
@@ -104,6 +105,25 @@ def _thread_env(config: TrainConfig) -> dict[str, str]:
         return passed
     threads = str(max(1, int(config.cluster.cpus_per_worker)))
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **passed}
+
+
+@contextlib.contextmanager
+def _controller_env(config: TrainConfig):
+    """Ray Train's controller reads some settings only from its environment, which Ray Train
+    copies from the driver's when ``fit()`` starts it; set them for that call only."""
+    settings = {}
+    if config.cluster.health_check_interval_s is not None:
+        settings["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(config.cluster.health_check_interval_s)
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _failure_message(error: BaseException) -> str:
@@ -260,7 +280,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     stopped_by: list[str] = []
     restore_signals = _stop_on_signals(control, stopped_by, log)
     try:
-        result = trainer.fit()
+        with _controller_env(config):
+            result = trainer.fit()
     except Exception as e:
         raise RayllmError(f"training failed: {_failure_message(e)}") from e
     finally:
