@@ -60,6 +60,25 @@ def test_credentials_are_redacted_from_the_recorded_config():
     assert config.data.storage.secret == "hunter2"  # still there for the workers
 
 
+def test_credentials_inside_urls_are_redacted_and_travel_apart_to_the_workers():
+    config = TrainConfig.from_dict(
+        {},
+        overrides=[
+            "data.storage.endpoint_url=https://minio:pa55word@s3.example.com:9000",
+            "data.storage.secret=hunter2",
+            "tracking.repo=aim://user:t0ken@aim.example.com:53800",
+        ],
+    )
+    recorded = config.redacted()
+    text = str(recorded)
+    assert "pa55word" not in text and "hunter2" not in text and "t0ken" not in text
+    assert recorded["data"]["storage"]["endpoint_url"] == "https://<redacted>@s3.example.com:9000"
+    # What a worker gets: the redacted tree, then the secrets put back from their own channel.
+    worker = TrainConfig.from_dict(recorded).with_secrets(config.secrets())
+    assert worker.data.storage.endpoint_url == config.data.storage.endpoint_url
+    assert worker.data.storage.secret == "hunter2"
+
+
 def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():
     import rayllm
     import rayllm.trainer.launch  # noqa: F401  (what a first train() call imports)
