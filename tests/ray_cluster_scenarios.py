@@ -35,6 +35,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rayllm import TrainConfig, train  # noqa: E402
 
 WORKER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
+PAUSE_AT = 40  # the elastic run waits before this step until it has grown back to 2 workers
 
 
 def records(run_dir: str) -> list[dict]:
@@ -138,22 +139,32 @@ def scenario_crash_in_checkpoint(overrides, root):
 
 def scenario_elastic(overrides, root, cluster, nodes):
     """2 workers; a node removed after step 9 (-> 1 worker); added back once the 1-worker group
-    has trained 3 steps (-> 2 at Ray Train's next resize check)."""
+    has trained 3 steps (-> 2 at Ray Train's next resize check). The run waits before step
+    PAUSE_AT until the 2-worker group has started, so it cannot end before it grows back."""
     run_dir = f"{root}/elastic"
+    hold = f"{root}/elastic-hold"
+    open(hold, "w").close()
+    os.environ["RAYLLM_FAULT_PAUSE_AT"] = f"{PAUSE_AT}:{hold}"
     config = TrainConfig.from_yaml(
         "configs/tiny.yaml",
         overrides=[*overrides, f"run.dir={run_dir}", "cluster.num_workers=[1, 2]", "cluster.resize_interval_s=2"],
     )
-    thread, box = run_in_thread(config)
-    events = []
-    if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and checkpoint_registered(run_dir)):
-        cluster.remove_node(nodes.pop(), allow_graceful=False)
-        events.append("removed")
-        if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):
-            resumed_at = [r for r in records(run_dir) if r["kind"] == "start"][-1]["step"]
-            wait_for(lambda: trained_past(run_dir, resumed_at + 3, world_size=1))
-            nodes.append(cluster.add_node(**WORKER_NODE))
-            events.append("added")
+    try:
+        thread, box = run_in_thread(config)
+        events = []
+        if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and checkpoint_registered(run_dir)):
+            cluster.remove_node(nodes.pop(), allow_graceful=False)
+            events.append("removed")
+            if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):
+                resumed_at = [r for r in records(run_dir) if r["kind"] == "start"][-1]["step"]
+                wait_for(lambda: trained_past(run_dir, resumed_at + 3, world_size=1))
+                nodes.append(cluster.add_node(**WORKER_NODE))
+                events.append("added")
+                starts = lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "start"]  # noqa: E731
+                wait_for(lambda: starts()[-1] == 2 and 1 in starts())
+    finally:
+        os.remove(hold)
+        del os.environ["RAYLLM_FAULT_PAUSE_AT"]
     thread.join()
     return summary(run_dir, box, events=events)
 

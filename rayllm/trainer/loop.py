@@ -378,6 +378,7 @@ class Trainer:
         first = True
         skips_reported = len(self.data_state.skipped)
         while self.step < end:
+            faults.maybe_pause_before(self.step + 1)
             wait_start = time.perf_counter()
             rows, data_state = next(batches)
             window_wait += time.perf_counter() - wait_start
