@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class LocalSession:
             self.device = torch.device("cpu")
         self.run_dir = os.path.abspath(config.run.dir)
         self.train_plan, self.val_plan = plans.train, plans.val
+        # Rank 0 copies milestones and deletes old checkpoints off the step loop: removing a
+        # checkpoint's files takes as long as a small model's step.
+        self._tidier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayllm-tidy") if self.rank == 0 else None
 
     def train_batches(self, state: DataState, consumed: int):
         """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
@@ -77,16 +81,24 @@ class LocalSession:
         final = os.path.join(self.run_dir, f"checkpoint_{step:08d}")
         dist.barrier()
         if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)  # left by an earlier attempt that got this far
             os.replace(directory, final)  # atomic on one filesystem: complete, or not there
-            if is_milestone(step, self.config.train.keep_checkpoint_every):
-                kept = os.path.join(self.run_dir, KEPT_DIR, os.path.basename(final))
-                shutil.rmtree(kept + ".tmp", ignore_errors=True)
-                shutil.copytree(final, kept + ".tmp")
-                os.replace(kept + ".tmp", kept)
-            for old in self.checkpoints()[: -self.config.train.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._tidier.submit(self._tidy, step, final)
         dist.barrier()
+
+    def _tidy(self, step: int, final: str) -> None:
+        """Rank 0, in the background and in commit order: keep a milestone's copy, drop old checkpoints."""
+        if is_milestone(step, self.config.train.keep_checkpoint_every):
+            kept = os.path.join(self.run_dir, KEPT_DIR, os.path.basename(final))
+            shutil.rmtree(kept + ".tmp", ignore_errors=True)
+            shutil.copytree(final, kept + ".tmp")
+            os.replace(kept + ".tmp", kept)
+        for old in self.checkpoints()[: -self.config.train.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._tidier is not None:
+            self._tidier.shutdown(wait=True)
 
     def report(self, metrics: dict[str, Any]) -> None:
         pass
