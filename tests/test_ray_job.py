@@ -156,9 +156,8 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tok
         "train.checkpoint_every=1000",
         "tracking.enabled=false",
     )
-    # ray job stop gives a job 3 s before SIGKILL by default; the README says to give it more.
-    runtime_env = json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}})
-    common = ["--working-dir", str(REPO), "--runtime-env-json", runtime_env]
+    # ray job stop gives a job 3 s before SIGKILL by default; jobs/runtime_env.yaml gives it more.
+    common = ["--working-dir", str(REPO), "--runtime-env", str(REPO / "jobs" / "runtime_env.yaml")]
     job_id = _submit_until_step(address, env, run_dir, 5, *common, "--", *entry)
 
     stopped = _job(address, env, "stop", job_id, timeout=300)
@@ -175,10 +174,27 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes(ray_head, corpus, tok
 
     again = _submit(address, env, *common, "--", *entry)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "succeeded" in again.stdout + again.stderr
+    assert f"[rayllm] step {STEPS}/{STEPS} | loss" in again.stdout  # the job's logs show training
     starts = [r for r in _records(run_dir) if r["kind"] == "start"]
     assert [s["step"] for s in starts] == [0, stop_step]  # the second job resumed where the first stopped
     done = [r for r in _records(run_dir) if r["kind"] == "train"][-1]
     assert done["step"] == STEPS
+
+
+@pytest.mark.parametrize("token", [None, "0" * 64], ids=["no token", "wrong token"])
+def test_a_submission_without_the_clusters_token_fails_with_an_authentication_error(ray_head, tmp_path, token):
+    address, env = ray_head
+    env = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token either
+    if token:
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    proc = _job(address, env, "submit", "--", "python", "-c", "print('never runs')", timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    expected = "Invalid authentication token" if token else "Missing authentication token"
+    assert expected in output, output[-3000:]
+    assert "never runs" not in output
 
 
 def test_after_the_head_node_is_lost_the_same_job_on_a_new_head_resumes_as_the_same_aim_run(
