@@ -84,3 +84,16 @@ def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():
     import rayllm.trainer.launch  # noqa: F401  (what a first train() call imports)
 
     assert callable(rayllm.train) and rayllm.train.__module__ == "rayllm"
+
+
+def test_a_cluster_whose_workers_would_take_every_cpu_is_named_before_training_hangs():
+    from rayllm.trainer.launch import no_room_for_data
+
+    two = TrainConfig.from_dict({}, overrides=["cluster.num_workers=2"])
+    assert "ray start --num-cpus=3" in no_room_for_data(2, two)  # 2 workers, no CPU for data tasks
+    assert no_room_for_data(4, two) is None
+    assert no_room_for_data(1, two) is None  # too small for the group at all: Ray Train waits for nodes
+    assert no_room_for_data(0, two) is None  # a CPU-less autoscaling head
+    elastic = TrainConfig.from_dict({}, overrides=["cluster.num_workers=[1, 2]"])
+    assert no_room_for_data(2, elastic)  # Ray Train would take both CPUs for 2 workers
+    assert no_room_for_data(2.5, elastic) is None

@@ -82,7 +82,10 @@ def configure_ray_data() -> None:
         ctx.custom_execution_callback_classes.append(throttle)
 
 
-def ray_chunks(parallelism: int, cpus_per_task: float = 0.5, env: dict[str, str] | None = None):
+DATA_TASK_CPUS = 0.5  # what each tokenize-and-pack task of a training run reserves
+
+
+def ray_chunks(parallelism: int, cpus_per_task: float = DATA_TASK_CPUS, env: dict[str, str] | None = None):
     """A chunk source (order.ChunkSource) that runs each source as Ray Data executions."""
     import ray.data
 

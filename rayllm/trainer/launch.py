@@ -7,8 +7,10 @@ This is the only code path for training: ``rayllm train``, ``jobs/pretrain.py`` 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue as queue_lib
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,6 +73,9 @@ def connect_ray(config: TrainConfig) -> None:
     if address:
         # Inside `ray job submit` the job's own runtime env (working dir, packages) applies.
         ray.init(address=address, log_to_driver=True)
+        problem = no_room_for_data(ray.cluster_resources().get("CPU", 0.0), config)
+        if problem:
+            print(f"[rayllm] warning: {problem}", file=sys.stderr, flush=True)
         return
     lo, hi = config.worker_range
     cpus = os.cpu_count() or 1
@@ -82,6 +87,26 @@ def connect_ray(config: TrainConfig) -> None:
         include_dashboard=True,  # Ray Train's controller queries the state API it serves
         dashboard_host="127.0.0.1",
         logging_level="WARNING",
+    )
+
+
+def no_room_for_data(cluster_cpus: float, config: TrainConfig) -> str | None:
+    """Why training would wait for ever on a cluster of ``cluster_cpus`` CPUs, or None: the
+    worker group Ray Train would start there takes every CPU, so the data pipeline's tasks can
+    never run (unless an autoscaler adds nodes)."""
+    from rayllm.data.ray_stream import DATA_TASK_CPUS
+
+    lo, hi = config.worker_range
+    per_worker = config.cluster.cpus_per_worker
+    workers = min(hi, math.floor(cluster_cpus / per_worker)) if per_worker else hi
+    if workers < lo or cluster_cpus - workers * per_worker >= DATA_TASK_CPUS:
+        return None
+    return (
+        f"the cluster has {cluster_cpus:g} CPUs and {workers} worker(s) x {per_worker:g} CPU "
+        f"(cluster.cpus_per_worker) take them all: the data pipeline's tasks ({DATA_TASK_CPUS:g} CPU each) "
+        f"cannot run, and training waits until the cluster grows. Give Ray more logical CPUs "
+        f"(ray start --num-cpus={math.ceil(workers * per_worker + 2 * DATA_TASK_CPUS)}) or lower "
+        f"cluster.cpus_per_worker."
     )
 
 
