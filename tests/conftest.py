@@ -40,6 +40,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ray_head_command(temp_dir, gcs_address: str, dashboard_port: int, *extra: str) -> list[str]:
+    """`ray start --head` on 127.0.0.1 with a temp dir and ports of its own: the test session's
+    local Ray holds the defaults. Stop it with ``kill_ray_head`` (`ray stop` ends every Ray)."""
+    return [
+        "ray",
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_address.rsplit(':', 1)[1]}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+        *extra,
+    ]
+
+
+def kill_ray_head(temp_dir, gcs_address: str) -> None:
+    """SIGKILL the processes of the head started by ``ray_head_command`` and their children."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if str(temp_dir) in cmdline or gcs_address in cmdline:
+            found.append(proc)
+            try:
+                found.extend(proc.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    for proc in found:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def checkpoint_registered(run_dir) -> bool:
     """Whether Ray Train has registered a checkpoint of the run yet (so a failure now resumes from one)."""
     try:

@@ -12,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import TEST_MODEL, free_port
+from conftest import TEST_MODEL, free_port, kill_ray_head, ray_head_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -79,39 +78,13 @@ def autoscaling_head(tmp_path_factory):
         "AUTOSCALER_UPDATE_INTERVAL_S": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    dashboard = free_port()
-    cmd = [
-        "ray",
-        "start",
-        "--head",
-        f"--autoscaling-config={config}",
-        "--num-cpus=0",
-        "--node-ip-address=127.0.0.1",
-        f"--port={gcs.split(':')[1]}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--ray-client-server-port={free_port()}",
-        f"--temp-dir={temp_dir}",
-        "--disable-usage-stats",
-    ]
+    cmd = ray_head_command(temp_dir, gcs, free_port(), f"--autoscaling-config={config}", "--num-cpus=0")
     started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         yield gcs, env
     finally:
-        for proc in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if str(temp_dir) in cmdline or gcs in cmdline:
-                try:
-                    for child in proc.children(recursive=True):
-                        child.kill()
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
+        kill_ray_head(temp_dir, gcs)
 
 
 def _alive_worker_nodes(gcs: str, env: dict) -> int:

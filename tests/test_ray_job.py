@@ -16,32 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, checkpoint_registered, free_port
+from conftest import TEST_MODEL, checkpoint_registered, free_port, kill_ray_head, ray_head_command
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 200
-
-
-def _kill_head(temp_dir: Path, gcs_address: str) -> None:
-    """End this head's processes and their children only (`ray stop` would end every Ray on the
-    machine, the test session's own included)."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if str(temp_dir) in cmdline or gcs_address in cmdline:
-            found.append(proc)
-            try:
-                found.extend(proc.children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-    for proc in found:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 @contextlib.contextmanager
@@ -57,30 +36,13 @@ def _head(temp_dir: Path):
         "RAY_USAGE_STATS_ENABLED": "0",
     }
     gcs_address = f"127.0.0.1:{free_port()}"
-    cmd = [
-        "ray",
-        "start",
-        "--head",
-        "--node-ip-address=127.0.0.1",
-        f"--port={gcs_address.split(':')[1]}",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}",
-        # Ports of its own: the test session's local Ray holds the defaults.
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
-        f"--ray-client-server-port={free_port()}",
-        f"--temp-dir={temp_dir}",
-        "--num-cpus=4",
-        "--disable-usage-stats",
-    ]
+    cmd = ray_head_command(temp_dir, gcs_address, dashboard, "--num-cpus=4")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
-        _kill_head(temp_dir, gcs_address)
+        kill_ray_head(temp_dir, gcs_address)
 
 
 @pytest.fixture(scope="module")
