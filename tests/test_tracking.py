@@ -209,6 +209,7 @@ def test_aim_ui_lists_the_run_through_its_http_api(remote_run):
         _aim_cli("up", "--repo", str(remote_run["repo"]), "--host", "127.0.0.1", "--port", str(port)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # `aim up` runs its server in a child: stop the whole group
     )
     try:
         _wait_for_port(port, ui, timeout=120)
@@ -224,5 +225,5 @@ def test_aim_ui_lists_the_run_through_its_http_api(remote_run):
         info = get(f"/runs/{result.aim_run_hash}/info/")
         assert info["params"]["train"]["max_steps"] == STEPS  # the resolved config
     finally:
-        ui.terminate()
+        os.killpg(ui.pid, signal.SIGTERM)
         ui.wait(timeout=30)
