@@ -74,6 +74,13 @@ def _warn(text: str) -> None:
     print(f"[rayllm] warning: Aim: {text}", file=sys.stderr, flush=True)
 
 
+def _server_address(repo: str) -> tuple[str, int] | None:
+    if not repo.startswith("aim://"):
+        return None
+    host, _, port = repo.removeprefix("aim://").rstrip("/").rpartition(":")
+    return host, int(port)
+
+
 def _answers(server: tuple[str, int]) -> bool:
     try:
         with socket.create_connection(server, timeout=2):
@@ -103,6 +110,7 @@ class Tracker:
     def __init__(self, config: TrainConfig):
         self.config = config
         self.repo = default_repo(config)
+        self.server = _server_address(self.repo)  # (host, port) of an aim:// repo, else None
         self.run = None
         self.run_hash: str | None = None
         self.server_lost = False
@@ -115,19 +123,12 @@ class Tracker:
             _warn(f"tracking is off for this run: cannot open repo {self.repo!r}: {e}")
             self.run = None
 
-    def _server(self) -> tuple[str, int] | None:
-        if not self.repo.startswith("aim://"):
-            return None
-        host, _, port = self.repo.removeprefix("aim://").rstrip("/").rpartition(":")
-        return host, int(port)
-
     def _server_answers(self) -> bool:
-        server = self._server()
-        return server is None or _answers(server)
+        return self.server is None or _answers(self.server)
 
     def _check_server(self) -> None:
         """Rate-limited: warn when the tracking server goes away and when it is back."""
-        if self._server() is None or time.monotonic() - self._checked_at < self.SERVER_CHECK_S:
+        if self.server is None or time.monotonic() - self._checked_at < self.SERVER_CHECK_S:
             return
         self._checked_at = time.monotonic()
         answers = self._server_answers()
@@ -170,7 +171,7 @@ class Tracker:
         self.run, self.run_hash = run, run.hash
         client = self._client()
         if client is not None:  # runs before Aim's own exit handler, registered when the run was made
-            atexit.register(_forget_if_unreachable, client, self._server())
+            atexit.register(_forget_if_unreachable, client, self.server)
         write_text(marker, json.dumps({"hash": run.hash, "repo": self.repo}), storage)
 
     def log_params(self, params: dict[str, Any]) -> None:
