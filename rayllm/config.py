@@ -134,7 +134,14 @@ class TrainingSettings:
     async_checkpoint: bool = True
     # "auto": bf16 compute on GPU, fp32 on CPU.
     precision: str = "auto"
+    # Recompute each block's activations in backward: less memory for about a third more compute.
     activation_checkpointing: bool = False
+    # FSDP keeps parameters, gradients and optimizer state in CPU memory between uses (GPU only):
+    # the largest model per GPU, at the cost of host-device copies and a CPU optimizer step.
+    cpu_offload: bool = False
+    # torch.compile each transformer block. "auto": on GPU; on CPU it needs a C++ compiler and
+    # pays off only on long runs (it takes seconds to minutes before the first step).
+    compile: bool | str = "auto"
 
 
 @dataclass
@@ -289,6 +296,13 @@ class TrainConfig:
                     raise ConfigError(f"data.train[{i}].weight must be > 0, got {source.weight}")
         if t.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"train.precision must be one of auto, fp32, bf16; got {t.precision!r}")
+        if t.compile not in ("auto", True, False):
+            raise ConfigError(f"train.compile must be auto, true or false; got {t.compile!r}")
+        if t.cpu_offload and not c.use_gpu:
+            raise ConfigError(
+                "train.cpu_offload moves GPU state to CPU memory and needs cluster.use_gpu: true; "
+                "on CPU the model already lives in CPU memory (set train.cpu_offload: false)"
+            )
         if isinstance(c.num_workers, list):
             if len(c.num_workers) != 2 or not 1 <= c.num_workers[0] <= c.num_workers[1]:
                 raise ConfigError(

@@ -122,6 +122,7 @@ def test_kuberay_manifests_have_kinds_names_and_a_job_entrypoint_that_runs_here(
 
 PUBLISHED = {  # parameters, from the published configs (Llama: exact; GPT-2: within 1%)
     "llama-1b.yaml": (1_235_814_400, 0.0),  # Llama 3.2 1B
+    "llama-1b-1gpu.yaml": (1_235_814_400, 0.0),  # the same on one GPU
     "llama-8b.yaml": (8_030_261_248, 0.0),  # Llama 3.1 8B
     "gpt2-124m.yaml": (124_439_808, 0.01),  # GPT-2 small (its learned positions and biases aside)
 }

@@ -111,3 +111,15 @@ def test_a_cluster_whose_workers_would_take_every_cpu_is_named_before_training_h
 def test_tracking_and_cluster_settings_that_cannot_work_are_refused_by_name(override, expected):
     with pytest.raises(ConfigError, match=re.escape(expected)):
         TrainConfig.from_dict({}, overrides=[override])
+
+
+def test_cpu_offload_without_a_gpu_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"train.cpu_offload .*needs cluster.use_gpu: true"):
+        TrainConfig.from_dict({}, overrides=["train.cpu_offload=true"])
+    assert TrainConfig.from_dict({}, overrides=["train.cpu_offload=true", "cluster.use_gpu=true"]).train.cpu_offload
+
+
+def test_compile_is_auto_or_a_boolean():
+    assert TrainConfig.from_dict({}, overrides=["train.compile=true"]).train.compile is True
+    with pytest.raises(ConfigError, match=r"train.compile must be auto, true or false; got 'sometimes'"):
+        TrainConfig.from_dict({}, overrides=["train.compile=sometimes"])

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import resource
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -31,10 +30,10 @@ from rayllm.data import tokenizer as tokenizers
 from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
-from rayllm.hardware import matmul_peak_flops
+from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_bytes
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.model.sampling import greedy_continuations
-from rayllm.parallel import compute_dtype, parallelize
+from rayllm.parallel import compute_dtype, is_sharded, parallelize, should_compile
 from rayllm.trainer import faults
 from rayllm.trainer.schedule import lr_at
 
@@ -100,7 +99,8 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.d
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+    # The fused kernel (one per device, CPU too) beats the foreach loop: 4% of the tiny step on CPU.
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
 
 def _all_sum(values: list[float], device: torch.device) -> list[float]:
@@ -113,7 +113,7 @@ def _all_sum(values: list[float], device: torch.device) -> list[float]:
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_resident_bytes()
 
 
 class Trainer:
@@ -129,7 +129,18 @@ class Trainer:
         model = Llama(self.args)
         self.n_params = num_params(model)
         self.dtype = compute_dtype(t.precision, self.device)
-        self.model = parallelize(model, dtype=self.dtype, activation_checkpointing=t.activation_checkpointing)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.model = parallelize(
+            model,
+            dtype=self.dtype,
+            world_size=session.world_size,
+            activation_checkpointing=t.activation_checkpointing,
+            cpu_offload=t.cpu_offload,
+            compile=should_compile(t.compile, self.device),
+            device=self.device,
+        )
+        self.sharded = is_sharded(self.model)
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
@@ -278,12 +289,13 @@ class Trainer:
         lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for i, rows_i in enumerate(micro):
-            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            if self.sharded:
+                self.model.set_requires_gradient_sync(i == len(micro) - 1)
             loss = self._loss(rows_i) / len(micro)
             loss.backward()
-            total += loss.item()
+            total += loss.detach()  # summed on the device: one sync per step, not per micro-batch
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -292,7 +304,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed += t.global_batch_size
-        return total, float(norm)
+        return total.item(), float(norm)
 
     def samples(self) -> list[dict[str, str]]:
         """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them)."""

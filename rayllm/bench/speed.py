@@ -1,0 +1,377 @@
+"""``rayllm bench speed``: rayllm's training step against a bare PyTorch loop, MFU against the
+machine's measured matmul peak, tokens/s on 1 and 2 workers, and peak memory per rank with
+and without activation checkpointing and CPU offload, all measured side by side in one run.
+
+It needs torch and rayllm's own modules, never Ray, so the same command runs on a GPU
+machine that has only PyTorch: ``python -m rayllm.bench.speed CONFIG [key=value ...]``.
+
+- Step: one process builds both sides from the same seed: rayllm's ``Trainer`` (its model as
+  ``parallelize`` wraps it, its optimizer, its ``train_step``) and a bare loop written as a
+  PyTorch user would write it (the same Llama, batch, AdamW groups, micro-batches, clipping,
+  per-block compile, and autocast where rayllm computes in bf16). They take turns, a few steps
+  each, over several rounds, and the median step time of each is compared: the ratio is
+  rayllm's speed over the bare loop's (1.0: no overhead).
+- MFU: the model's FLOPs per token (checked against PyTorch's FlopCounterMode in the tests)
+  times rayllm's tokens/s, over the matmul peak this process measures just before.
+- Workers: the Trainer's step on 1 and on 2 ranks (gloo on CPU), each rank with the same
+  number of threads, on synthetic batches of the config's global batch size.
+- Memory: a fresh process per variant, the config's model trained a few steps on one rank:
+  peak GPU memory allocated, or on CPU the peak resident memory above what the process held
+  before it built the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import types
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from rayllm.config import TrainConfig
+from rayllm.data.order import rank_slice
+from rayllm.data.source import RECORD_DTYPE_FIELDS
+from rayllm.hardware import (
+    keep_freed_memory,
+    matmul_peak_flops,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
+from rayllm.model import Llama, flops_per_token
+from rayllm.parallel import compute_dtype, should_compile
+
+MEMORY_VARIANTS = {
+    "plain": [],
+    "activation checkpointing": ["train.activation_checkpointing=true"],
+    "cpu offload": ["train.cpu_offload=true"],
+}
+
+
+# -- shared pieces -----------------------------------------------------------------------------
+def _device(config: TrainConfig, rank: int = 0) -> torch.device:
+    if config.cluster.use_gpu:
+        device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(config: TrainConfig, rank: int, world_size: int, port: int) -> None:
+    backend = "nccl" if config.cluster.use_gpu else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+def synthetic_rows(config: TrainConfig, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows shaped like the data stream's (tokens plus ids), random tokens."""
+    seq = config.data.seq_len + 1
+    rows = np.zeros(n, dtype=[("tokens", np.int32, (seq,)), *RECORD_DTYPE_FIELDS])
+    rows["tokens"] = np.random.default_rng(seed).integers(0, config.model.vocab_size, size=(n, seq))
+    rows["index"] = np.arange(n)
+    return rows
+
+
+class _StepSession:
+    """All the Trainer's step needs from a session: no data stream, checkpoints or metrics."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.train_plan = types.SimpleNamespace(sources=[None])
+        self.val_plan = None
+
+
+def _trainer(config: TrainConfig, rank: int, world_size: int, device: torch.device):
+    from rayllm.trainer.loop import Trainer
+
+    return Trainer(config, _StepSession(rank, world_size, device))
+
+
+class BareLoop:
+    """The baseline: the training step as a PyTorch user writes it, without rayllm."""
+
+    def __init__(self, config: TrainConfig, device: torch.device):
+        from rayllm.trainer.loop import model_args
+
+        t = config.train
+        self.device, self.micro = device, t.micro_batch_size
+        self.dtype = compute_dtype(t.precision, device)
+        torch.manual_seed(t.seed)
+        self.model = Llama(model_args(config)).to(device)
+        if should_compile(t.compile, device):
+            for i, block in enumerate(self.model.layers):
+                self.model.layers[i] = torch.compile(block, fullgraph=True)
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            fused=True,
+        )
+        self.grad_clip = t.grad_clip
+
+    def train_step(self, rows: np.ndarray) -> tuple[float, float]:
+        batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
+        micro = batch.split(self.micro)
+        autocast = torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+        total = torch.zeros((), device=self.device)
+        for rows_i in micro:
+            with autocast:
+                logits = self.model(rows_i[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), rows_i[:, 1:].flatten(0, 1)) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total.item(), float(norm)
+
+
+# -- step: rayllm against the bare loop ----------------------------------------------------------
+def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, Any]:
+    """One process, world size 1: both sides on the same device, taking turns."""
+    device = _device(config)
+    if device.type == "cpu":
+        keep_freed_memory()  # the Trainer does this too; set before either side allocates
+    _init_group(config, 0, 1, _free_port())
+    try:
+        dtype = compute_dtype(config.train.precision, device)
+        peak = matmul_peak_flops(device, dtype, seconds=1.0)
+        sides = {"bare": BareLoop(config, device), "rayllm": _trainer(config, 0, 1, device)}
+        rows = synthetic_rows(config, config.train.global_batch_size)
+        for side in sides.values():  # warm-up: compilation, allocator, kernels chosen
+            for _ in range(2):
+                side.train_step(rows)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(rounds):
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            for name in order:
+                _sync(device)
+                start = time.perf_counter()
+                for _ in range(steps):
+                    sides[name].train_step(rows)
+                _sync(device)
+                times[name].append((time.perf_counter() - start) / steps)
+        # Measured again after: a peak taken while something else ran would inflate MFU.
+        peak = max(peak, matmul_peak_flops(device, dtype, seconds=1.0))
+        trainer = sides["rayllm"]
+        tokens = config.train.global_batch_size * config.data.seq_len
+        fpt = flops_per_token(trainer.args, config.data.seq_len)
+        median = {name: statistics.median(v) for name, v in times.items()}
+        return {
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+            "threads": torch.get_num_threads(),
+            "dtype": str(trainer.dtype).removeprefix("torch."),
+            "compile": should_compile(config.train.compile, device),
+            "flash_attention": flash_attention_fits(config, device, trainer.dtype),
+            "params": trainer.n_params,
+            "flops_per_token": fpt,
+            "tokens_per_step": tokens,
+            "peak_flops": peak,
+            "step_s": median,
+            "step_s_all": times,
+            "tokens_per_s": {name: tokens / s for name, s in median.items()},
+            "ratio": median["bare"] / median["rayllm"],
+            "mfu": fpt * tokens / median["rayllm"] / peak,
+            "mfu_bare": fpt * tokens / median["bare"] / peak,
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def flash_attention_fits(config: TrainConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether SDPA's flash kernel takes this model's attention (head size, GQA, dtype, device)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = config.model
+    head_dim = m.dim // m.n_heads
+    q = torch.randn(1, m.n_heads, 128, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(1, m.n_kv_heads, 128, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=m.n_kv_heads != m.n_heads)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+# -- ranks in processes of their own: tokens/s on 1 and 2 workers, memory, losses ---------------
+def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threads: int, steps: int, out) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    _init_group(config, rank, world_size, port)
+    try:
+        device = _device(config, rank)
+        before = resident_bytes()
+        reset_peak_resident()
+        trainer = _trainer(config, rank, world_size, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), rank, world_size)
+        losses, times = [], []
+        for _ in range(steps):
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            losses.append(trainer.train_step(rows)[0])
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = peak_resident_bytes() - before
+        if rank == 0:
+            timed = times[2:] or times  # the first steps compile, fault in memory and pick kernels
+            out.put({"losses": losses, "step_s": statistics.median(timed), "peak_bytes": peak})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(config: TrainConfig, world_size: int, steps: int, threads: int = 0) -> dict[str, Any]:
+    """``steps`` of the Trainer's step on ``world_size`` fresh processes (the same synthetic global
+    batch every step): rank 0's losses, median step time after two warm-up steps, and peak memory
+    (GPU memory allocated; on CPU resident memory above what the process held before the model)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, config, threads, steps, out))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"a rank of the {world_size}-rank run failed (exit codes {[p.exitcode for p in procs]})")
+    return out.get(timeout=30)
+
+
+def tokens_per_s_by_workers(config: TrainConfig, counts: list[int], threads: int, steps: int) -> dict[int, float]:
+    tokens = config.train.global_batch_size * config.data.seq_len
+    return {n: tokens / run_ranks(config, n, steps + 2, threads)["step_s"] for n in counts}
+
+
+def memory_by_variant(config: TrainConfig, steps: int) -> dict[str, dict[str, Any]]:
+    """Each of MEMORY_VARIANTS on one rank, in a fresh process: peak memory and the losses."""
+    result: dict[str, dict[str, Any]] = {}
+    for name, overrides in MEMORY_VARIANTS.items():
+        if name == "cpu offload" and not config.cluster.use_gpu:
+            result[name] = {"skipped": "needs a GPU (FSDP offloads GPU state to CPU memory)"}
+            continue
+        result[name] = run_ranks(config.with_overrides(overrides), 1, steps)
+    return result
+
+
+# -- the whole benchmark -------------------------------------------------------------------------
+def run(
+    config: TrainConfig,
+    *,
+    rounds: int = 5,
+    steps: int = 4,
+    workers: list[int] | None = None,
+    memory_steps: int = 3,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    result: dict[str, Any] = {"config": config.run.name}
+    result["step"] = step_comparison(config, rounds, steps)
+    if not config.cluster.use_gpu and workers:
+        threads = max(1, (os.cpu_count() or 1) // max(workers))
+        result["workers"] = {
+            "threads_per_worker": threads,
+            "tokens_per_s": tokens_per_s_by_workers(config, workers, threads, steps),
+        }
+    if memory_steps:
+        result["memory"] = memory_by_variant(config, memory_steps)
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    s = r["step"]
+    gf = 1e9
+    lines = [
+        f"[rayllm bench speed] {r['config']}: {s['params'] / 1e6:,.1f}M parameters, "
+        f"{s['flops_per_token'] / 1e6:,.1f} MFLOP/token, {s['tokens_per_step']:,} tokens/step",
+        f"  on {s['device']} ({s['device_name']}, {s['threads']} threads), {s['dtype']}, "
+        f"compile {'on' if s['compile'] else 'off'}, SDPA flash kernel "
+        f"{'fits' if s['flash_attention'] else 'does not fit'} this attention",
+        f"  step (median of {len(s['step_s_all']['rayllm'])} interleaved rounds)",
+        f"    bare PyTorch loop   {s['step_s']['bare'] * 1e3:9.1f} ms  {s['tokens_per_s']['bare']:>12,.0f} tokens/s",
+        f"    rayllm Trainer      {s['step_s']['rayllm'] * 1e3:9.1f} ms  {s['tokens_per_s']['rayllm']:>12,.0f} tokens/s",
+        f"    speed ratio rayllm / bare: {s['ratio']:.3f}  (goal >= 0.97)",
+        f"  MFU: rayllm {s['mfu']:.1%}, bare loop {s['mfu_bare']:.1%} of the measured {s['dtype']} matmul peak, "
+        f"{s['peak_flops'] / gf:,.0f} GFLOP/s (goal >= {'50' if s['device'].startswith('cuda') else '60'}%)",
+    ]
+    if "workers" in r:
+        w = r["workers"]
+        tps = w["tokens_per_s"]
+        lines.append(f"  workers ({w['threads_per_worker']} thread(s) each)")
+        for n, v in tps.items():
+            lines.append(f"    {n} worker(s)   {v:>12,.0f} tokens/s")
+        if 1 in tps and 2 in tps:
+            lines.append(f"    scaling 2 vs 1: {tps[2] / tps[1]:.2f}x  (efficiency {tps[2] / tps[1] / 2:.0%})")
+    if "memory" in r:
+        mem = r["memory"]
+        base = mem.get("plain", {}).get("peak_bytes")
+        kind = "GPU memory allocated" if r["step"]["device"].startswith("cuda") else "resident memory above start"
+        lines.append(f"  peak memory per rank ({kind})")
+        for name, v in mem.items():
+            if "skipped" in v:
+                lines.append(f"    {name:<25} {v['skipped']}")
+                continue
+            ratio = f"  x{v['peak_bytes'] / base:.2f}" if base else ""
+            loss = ", ".join(f"{x:.4f}" for x in v["losses"])
+            lines.append(f"    {name:<25} {v['peak_bytes']:>15,} bytes{ratio}   losses {loss}")
+    lines.append(f"  ({r['seconds']:.0f} s in all)")
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m rayllm.bench.speed ...``: the same as ``rayllm bench speed ...``, for machines
+    where rayllm is on the path but not installed (no console script)."""
+    from rayllm.cli import main as cli_main
+
+    return cli_main(["bench", "speed", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
