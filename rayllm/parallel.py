@@ -61,6 +61,11 @@ def parallelize(
             # graph serves all of them, and FSDP's hooks stay outside the compiled region.
             block = torch.compile(block, fullgraph=True)
         layers[i] = block
+    if compile:
+        # The head too: fusing the final norm and the log-softmax over the logits saves ~10% of
+        # the tiny model's step on CPU. Compiled as a method of the root, it runs inside the
+        # root's forward, where FSDP has gathered the root's parameters.
+        model.head_loss = torch.compile(model.head_loss, fullgraph=True)
     if not needs_sharding(world_size, dtype, cpu_offload):
         return model.to(device) if device is not None else model
     kwargs = {}

@@ -90,10 +90,14 @@ def autoscaling_head(tmp_path_factory):
 def _alive_worker_nodes(gcs: str, env: dict) -> int:
     code = (
         f"import ray; ray.init(address={gcs!r}, logging_level='ERROR');"
-        "print(sum(1 for n in ray.nodes() if n['Alive'] and n['Resources'].get('trainer')))"
+        "print('ALIVE_TRAINER_NODES', sum(1 for n in ray.nodes() if n['Alive'] and n['Resources'].get('trainer')))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    return int(out.stdout.strip().splitlines()[-1])
+    # The driver's stdout also carries the autoscaler's event lines ("Resized to 0 CPUs."),
+    # in any order; read only the line this probe marked.
+    counts = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("ALIVE_TRAINER_NODES")]
+    assert counts, out.stdout + out.stderr
+    return int(counts[-1])
 
 
 def test_the_autoscaler_adds_nodes_and_training_grows_to_two_workers(

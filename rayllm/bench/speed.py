@@ -121,6 +121,7 @@ class BareLoop:
         if should_compile(t.compile, device):
             for i, block in enumerate(self.model.layers):
                 self.model.layers[i] = torch.compile(block, fullgraph=True)
+            self.model.head_loss = torch.compile(self.model.head_loss, fullgraph=True)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -138,8 +139,7 @@ class BareLoop:
         total = torch.zeros((), device=self.device)
         for rows_i in micro:
             with autocast:
-                logits = self.model(rows_i[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), rows_i[:, 1:].flatten(0, 1)) / len(micro)
+                loss = self.model(rows_i[:, :-1], rows_i[:, 1:]) / len(micro)
             loss.backward()
             total += loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

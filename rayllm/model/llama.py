@@ -135,8 +135,8 @@ class Llama(nn.Module):
             else:
                 nn.init.ones_(p)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); with targets (B, T), the mean cross-entropy instead."""
         T = tokens.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
@@ -144,7 +144,15 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, T, dim)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        if targets is None:
+            return self.output(self.norm(h))
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output head and cross-entropy: one function, so that ``torch.compile`` can
+        fuse the norm and the log-softmax's passes over the (B, T, vocab) logits."""
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 def num_params(model: nn.Module) -> int:

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from rayllm import checkpoint
 from rayllm.config import TrainConfig, check_batch_split
@@ -274,8 +273,7 @@ class Trainer:
     # -- steps ---------------------------------------------------------------------------
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
         inputs, targets = rows[:, :-1], rows[:, 1:]  # (B, T) each
-        logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        return self.model(inputs, targets)
 
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
