@@ -1,9 +1,10 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP).
 
 A checkpoint is a folder of DCP shards (model and optimizer, resharded on load to
-whatever world size loads them) plus ``train_state.json``: the step, the data position
-and the last metrics, written by rank 0. Where the folder lives (Ray Train storage or a
-run dir under torchrun) is the caller's business.
+whatever world size loads them) plus, written by rank 0, ``train_state.json`` (the step,
+the data position, the last metrics and the model's shape) and the run's ``tokenizer.json``:
+so a checkpoint alone is enough to generate, evaluate or export. Where the folder lives
+(Ray Train storage or a run dir under torchrun) is the caller's business.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from rayllm.errors import CheckpointError
+
 STATE_FILE = "train_state.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def save(directory: str, model: nn.Module, optimizer: Optimizer) -> None:
@@ -69,15 +73,41 @@ class AsyncWriter:
         self._stager.close()
 
 
-def write_state(directory: str, state: dict[str, Any]) -> None:
-    """Rank 0's part: the step, data position and metrics, beside the shards."""
+def write_state(directory: str, state: dict[str, Any], tokenizer_json: str | None = None) -> None:
+    """Rank 0's part: the step, data position, metrics and model shape, and the tokenizer, beside the shards."""
+    if tokenizer_json is not None:
+        with open(os.path.join(directory, TOKENIZER_FILE), "w") as f:
+            f.write(tokenizer_json)
     with open(os.path.join(directory, STATE_FILE), "w") as f:
         json.dump(state, f)
+
+
+def check_model_shapes(directory: str, model_state: dict[str, Any], what: str = "the config's model") -> None:
+    """Refuse, by name, a checkpoint whose model tensors do not have the shapes ``model_state`` has.
+
+    DCP's own error for this is a size mismatch deep in its planner; this one names the
+    tensors and the fix before anything is read.
+    """
+    stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    problems = []
+    for name, tensor in model_state.items():
+        meta = stored.get(f"model.{name}")
+        if meta is None:
+            problems.append(f"{name} is missing")
+        elif tuple(meta.size) != tuple(tensor.shape):
+            problems.append(f"{name} is {tuple(meta.size)}, {what} needs {tuple(tensor.shape)}")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise CheckpointError(
+            f"checkpoint {directory} holds a model of another shape than {what} ({shown}). "
+            "Set the model section to the shape it was trained with, or point at a checkpoint of this model"
+        )
 
 
 def load(directory: str, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Collective: restore model and optimizer from ``directory`` and return the train state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_model_shapes(directory, model_sd)
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])

@@ -66,6 +66,28 @@ def _parser() -> argparse.ArgumentParser:
     bench_memory.add_argument("--gb", type=float, default=2.0, help="gigabytes of text to generate and stream")
     bench_memory.add_argument("--object-store-mb", type=int, default=500, help="Ray's object store cap")
     bench_memory.add_argument("--dir", default="data/bench-memory", help="where the generated corpus is kept")
+    gen = sub.add_parser("generate", help="continue prompts with a trained model (KV cache; greedy or sampled)")
+    gen.add_argument("--checkpoint", required=True, help="a checkpoint, a run dir (its latest) or a HF Llama folder")
+    gen.add_argument("--prompt", action="append", required=True, help="text to continue; repeat for several")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding p")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    gen.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1")
+    evaluate = sub.add_parser("eval", help="perplexity over held-out shards, spread over Ray workers")
+    evaluate.add_argument("--checkpoint", required=True, help="a checkpoint or a run dir (its latest)")
+    evaluate.add_argument("--data", required=True, nargs="+", help="shards: paths, globs or folders, local or s3://")
+    evaluate.add_argument("--workers", type=int, default=2, help="Ray actors scoring shards at once")
+    evaluate.add_argument("--seq-len", type=int, help="tokens per window (default: the model's training length)")
+    evaluate.add_argument("--text-field", default="text", help="jsonl field or parquet column with the text")
+    evaluate.add_argument("--gpu", action="store_true", help="one GPU per worker")
+    export = sub.add_parser("export", help="a checkpoint as a Hugging Face Llama folder (safetensors)")
+    export.add_argument("--checkpoint", required=True, help="a checkpoint or a run dir (its latest)")
+    export.add_argument("--output", "-o", required=True, help="a new local folder")
+    for p in (gen, evaluate, export):
+        p.add_argument("--tokenizer", help="a tokenizer.json instead of the one the checkpoint carries")
+        p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// paths (credentials: AWS_* variables)")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -76,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare":
         return _prepare(args)
+    if args.command in ("generate", "eval", "export"):
+        return _use_model(args)
     from rayllm.config import TrainConfig
 
     try:
@@ -155,6 +179,53 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _use_model(args: argparse.Namespace) -> int:
+    """generate, eval and export: a trained model, outside training."""
+    from rayllm.config import StorageSettings
+
+    storage = StorageSettings(endpoint_url=args.endpoint_url)
+    try:
+        if args.command == "export":
+            from rayllm.hf import export_checkpoint
+
+            out = export_checkpoint(args.checkpoint, args.output, storage=storage, tokenizer=args.tokenizer)
+            print(f"[rayllm] exported {args.checkpoint} to {out} (transformers LlamaForCausalLM)")
+            return 0
+        if args.command == "eval":
+            from rayllm.evaluate import evaluate, format_result
+
+            result = evaluate(
+                args.checkpoint,
+                args.data,
+                workers=args.workers,
+                seq_len=args.seq_len,
+                text_field=args.text_field,
+                storage=storage,
+                use_gpu=args.gpu,
+            )
+            print(format_result(result))
+            return 0
+        from rayllm.pretrained import load
+
+        pretrained = load(args.checkpoint, storage=storage, device=args.device, tokenizer=args.tokenizer)
+        for prompt in args.prompt:
+            text = pretrained.generate(
+                prompt,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+            )
+            print(prompt + text, flush=True)
+            if len(args.prompt) > 1:
+                print("---")
+        return 0
+    except (RayllmError, ValueError) as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _prepare(args: argparse.Namespace) -> int:

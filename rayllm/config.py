@@ -97,6 +97,10 @@ class ModelSettings:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    # A local Hugging Face Llama folder (config.json, safetensors, tokenizer.json) to start from:
+    # continued pretraining. Its config.json sets the shape above, its tokenizer.json data.tokenizer
+    # (unless set), and its weights replace the random initialisation.
+    init_from: str | None = None
 
 
 @dataclass
@@ -239,9 +243,35 @@ class TrainConfig:
         n = self.cluster.num_workers
         return (n, n) if isinstance(n, int) else (n[0], n[1])
 
+    def _shape_from_hf(self, folder: str) -> None:
+        """model.init_from: the model section (and, unless set, data.tokenizer) from the folder."""
+        from rayllm.errors import CheckpointError
+        from rayllm.hf import TOKENIZER_FILE, model_args_from_hf, read_config
+
+        try:
+            args = model_args_from_hf(read_config(folder), folder)
+        except CheckpointError as e:
+            raise ConfigError(f"model.init_from: {e}") from None
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "norm_eps",
+            "rope_theta",
+            "tie_embeddings",
+        ):
+            setattr(self.model, name, getattr(args, name))
+        self.model.ffn_hidden = args.hidden_dim
+        if self.data.tokenizer is None and os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
+            self.data.tokenizer = os.path.join(folder, TOKENIZER_FILE)
+
     def validate(self) -> None:
         """Cross-field checks that types alone cannot express."""
         m, t, c = self.model, self.train, self.cluster
+        if m.init_from:
+            self._shape_from_hf(m.init_from)
         _positive(
             self,
             [

@@ -15,3 +15,7 @@ class ConfigError(RayllmError, ValueError):
 
 class DataError(RayllmError):
     """A dataset path, shard or its contents cannot be used."""
+
+
+class CheckpointError(RayllmError):
+    """A checkpoint or model folder cannot be found, read, or used for this model."""

@@ -1,5 +1,5 @@
 """Pure PyTorch model code: no Ray, no torch.distributed."""
 
-from rayllm.model.llama import Llama, ModelArgs, flops_per_token, num_params
+from rayllm.model.llama import KVCache, Llama, ModelArgs, flops_per_token, num_params
 
-__all__ = ["Llama", "ModelArgs", "flops_per_token", "num_params"]
+__all__ = ["KVCache", "Llama", "ModelArgs", "flops_per_token", "num_params"]

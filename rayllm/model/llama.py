@@ -66,6 +66,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+class LayerCache:
+    """One layer's view of a ``KVCache``: where this forward's keys and values go."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        self.k, self.v, self.start = k, v, start
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, KV, T, hd) at the next positions; return all keys and values so far."""
+        end = self.start + k.shape[2]
+        self.k[:, :, self.start : end] = k
+        self.v[:, :, self.start : end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Keys and values of every layer for the positions seen so far, preallocated to
+    ``max_len``: decoding then costs one position's forward per new token, not the sequence's."""
+
+    def __init__(self, args: ModelArgs, batch: int, device: torch.device, dtype: torch.dtype, max_len: int = 0):
+        shape = (batch, args.n_kv_heads, max_len or args.max_seq_len, args.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(args.n_layers)]
+        self.length = 0
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self.k[i], self.v[i], self.length)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -75,13 +106,23 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if kv is None or kv.start == 0:
+            if kv is not None:
+                kv.write(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # decoding: the new positions attend to every cached one and causally to each other
+            k, v = kv.write(k, v)
+            visible = torch.ones(T, kv.start + T, dtype=torch.bool, device=x.device).tril(diagonal=kv.start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
 
 
@@ -104,8 +145,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -135,15 +178,22 @@ class Llama(nn.Module):
             else:
                 nn.init.ones_(p)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab); with targets (B, T), the mean cross-entropy instead."""
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab); with targets (B, T), the mean cross-entropy instead.
+
+        With a ``cache``, tokens continue the positions already in it (and are added to it)."""
         T = tokens.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = cache.length if cache is not None else 0
+        if start + T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds the model's max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         h = self.tok_embeddings(tokens)  # (B, T, dim)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(i))
+        if cache is not None:
+            cache.length += T
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)

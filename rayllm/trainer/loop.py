@@ -30,6 +30,7 @@ from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_bytes
+from rayllm.hf import load_hf_into
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel import compute_dtype, is_sharded, parallelize, should_compile
@@ -89,7 +90,8 @@ class _Checkpoint:
 
 def model_args(config: TrainConfig) -> ModelArgs:
     """The model's own arguments: the config's model section, sized for the run's sequences."""
-    return ModelArgs(**dataclasses.asdict(config.model), max_seq_len=config.data.seq_len)
+    shape = {k: v for k, v in dataclasses.asdict(config.model).items() if k != "init_from"}
+    return ModelArgs(**shape, max_seq_len=config.data.seq_len)
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -126,6 +128,8 @@ class Trainer:
         self.args = model_args(config)
         torch.manual_seed(t.seed)  # identical full init on every rank, whatever the world size
         model = Llama(self.args)
+        if config.model.init_from:  # continued pretraining; a checkpoint restored later overrides it
+            load_hf_into(model, config.model.init_from)
         self.n_params = num_params(model)
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
@@ -184,6 +188,7 @@ class Trainer:
             "metrics": metrics,
             "restarts": self.restarts,
             "world_size": self.session.world_size,
+            "model": dataclasses.asdict(self.args),  # so the checkpoint alone can be loaded (generate, export)
         }
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -229,7 +234,7 @@ class Trainer:
             ckpt.future = None
         faults.maybe_crash_before_commit(ckpt.step, self.session.rank, self.session.world_size)
         if self.session.rank == 0:
-            checkpoint.write_state(ckpt.directory, ckpt.state)
+            checkpoint.write_state(ckpt.directory, ckpt.state, self.session.train_plan.sources[0].tokenizer_json)
         if ckpt.ids is not None:
             np.save(os.path.join(ckpt.directory, f"consumed-rank{self.session.rank:05d}.npy"), ckpt.ids)
         self.session.commit(ckpt.step, ckpt.metrics, ckpt.directory, upload_async=upload_async)

@@ -1,0 +1,256 @@
+"""Hugging Face Llama folders: export a rayllm model to one, and start training from one.
+
+The folder format is transformers' ``LlamaForCausalLM``: ``config.json``, safetensors
+weights and the tokenizer files. Only the weight names and one layout differ from rayllm's:
+rayllm rotates adjacent channel pairs of each head (Meta's layout), transformers rotates the
+first half of a head against the second, so q and k projections are permuted on the way out
+and back on the way in (as transformers' own Llama conversion script does). Written by hand
+because transformers is not a runtime dependency: exporting and importing need only
+safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from rayllm.errors import CheckpointError
+from rayllm.model import Llama, ModelArgs
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+# -- layout -----------------------------------------------------------------------------------
+def _to_half_split(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q/k projection from adjacent-pair rotary layout to transformers' half-split one."""
+    out_dim, in_dim = w.shape
+    return w.view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of ``_to_half_split``."""
+    out_dim, in_dim = w.shape
+    return w.view(heads, 2, out_dim // heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    """rayllm name -> transformers name, for block ``i``."""
+    r, h = f"layers.{i}.", f"model.layers.{i}."
+    return {
+        r + "attention.wq.weight": h + "self_attn.q_proj.weight",
+        r + "attention.wk.weight": h + "self_attn.k_proj.weight",
+        r + "attention.wv.weight": h + "self_attn.v_proj.weight",
+        r + "attention.wo.weight": h + "self_attn.o_proj.weight",
+        r + "feed_forward.w1.weight": h + "mlp.gate_proj.weight",
+        r + "feed_forward.w3.weight": h + "mlp.up_proj.weight",
+        r + "feed_forward.w2.weight": h + "mlp.down_proj.weight",
+        r + "attention_norm.weight": h + "input_layernorm.weight",
+        r + "ffn_norm.weight": h + "post_attention_layernorm.weight",
+    }
+
+
+def weight_names(args: ModelArgs) -> dict[str, str]:
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    for i in range(args.n_layers):
+        names.update(_layer_names(i))
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    return names
+
+
+def to_hf_state(model: Llama) -> dict[str, torch.Tensor]:
+    args, state = model.args, model.state_dict()
+    out = {}
+    for ours, theirs in weight_names(args).items():
+        w = state[ours].detach().to("cpu", torch.float32)
+        if ours.endswith("attention.wq.weight"):
+            w = _to_half_split(w, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            w = _to_half_split(w, args.n_kv_heads)
+        out[theirs] = w.contiguous()
+    return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], args: ModelArgs, folder: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for ours, theirs in weight_names(args).items():
+        if theirs not in hf:
+            raise CheckpointError(f"{folder} has no weight {theirs!r}: its weights do not match its {CONFIG_FILE}")
+        w = hf[theirs].to(torch.float32)
+        if ours.endswith("attention.wq.weight"):
+            w = _to_pairs(w, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            w = _to_pairs(w, args.n_kv_heads)
+        out[ours] = w
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# -- config -----------------------------------------------------------------------------------
+def hf_config(args: ModelArgs, eos_id: int | None) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+    }
+
+
+def read_config(folder: str) -> dict:
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"Hugging Face model folder {folder} does not exist; give a local folder")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{folder} has no {CONFIG_FILE}: it is not a Hugging Face model folder")
+    with open(path) as f:
+        return json.load(f)
+
+
+def model_args_from_hf(config: dict, folder: str, max_seq_len: int | None = None) -> ModelArgs:
+    """rayllm's ModelArgs for a transformers Llama config; anything rayllm's Llama cannot compute is refused."""
+    kind = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if kind != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
+        raise CheckpointError(
+            f"{folder} holds a {kind or 'model of unknown type'} model ({', '.join(architectures) or 'no architectures'}), "
+            "not a Llama: rayllm imports LlamaForCausalLM folders (model_type 'llama') only"
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(
+            f"{folder} uses rotary scaling {rope_type!r}, which rayllm's Llama does not compute yet; "
+            "import a Llama with plain rotary embeddings (rope_type 'default')"
+        )
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, expected) != expected:
+            raise CheckpointError(
+                f"{folder} has {key}={config[key]!r}; rayllm's Llama supports {key}={expected!r} only"
+            )
+    heads = config["num_attention_heads"]
+    dim = config["hidden_size"]
+    if config.get("head_dim") not in (None, dim // heads):
+        raise CheckpointError(f"{folder} has head_dim {config['head_dim']} != hidden_size / num_attention_heads")
+    return ModelArgs(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads,
+        vocab_size=config["vocab_size"],
+        ffn_hidden=config["intermediate_size"],
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_seq_len=max_seq_len or config.get("max_position_embeddings", 2048),
+    )
+
+
+# -- export -----------------------------------------------------------------------------------
+def save_hf(model: Llama, tokenizer_json: str | None, out_dir: str, eos_token: str | None, eos_id: int | None) -> str:
+    """Write ``model`` (and its tokenizer) as a transformers Llama folder; returns the folder."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(to_hf_state(model), os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(hf_config(model.args, eos_id), f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos_id, "do_sample": False}, f, indent=2)
+    if tokenizer_json is not None:
+        with open(os.path.join(out_dir, TOKENIZER_FILE), "w") as f:
+            f.write(tokenizer_json)
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "eos_token": eos_token,
+                    "model_max_length": model.args.max_seq_len,
+                    "clean_up_tokenization_spaces": False,
+                },
+                f,
+                indent=2,
+            )
+    return out_dir
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, *, storage=None, tokenizer: str | None = None) -> str:
+    """A rayllm checkpoint (local or object storage, any world size) as a transformers Llama folder."""
+    from rayllm.pretrained import load_checkpoint
+
+    if os.path.exists(os.path.join(out_dir, CONFIG_FILE)):
+        raise CheckpointError(f"{out_dir} already holds a model ({CONFIG_FILE}); export to a new folder")
+    loaded = load_checkpoint(checkpoint, storage=storage, device="cpu", tokenizer=tokenizer)
+    eos = loaded.eos_id
+    return save_hf(loaded.model, loaded.tokenizer.to_str(), out_dir, loaded.tokenizer.id_to_token(eos), eos)
+
+
+# -- import -----------------------------------------------------------------------------------
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors folder (one file, or shards listed by an index)."""
+    from safetensors.torch import load_file
+
+    single = os.path.join(folder, WEIGHTS_FILE)
+    index = os.path.join(folder, WEIGHTS_INDEX_FILE)
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        weights: dict[str, torch.Tensor] = {}
+        for name in files:
+            weights.update(load_file(os.path.join(folder, name)))
+        return weights
+    other = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth"))]
+    hint = f" (it has {other[0]}: convert it to safetensors with transformers' save_pretrained)" if other else ""
+    raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
+
+
+def load_hf_into(model: Llama, folder: str) -> None:
+    """Fill ``model`` (a plain Llama of the folder's shape) with the folder's weights."""
+    state = from_hf_state(read_weights(folder), model.args, folder)
+    expected = model.state_dict()
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{folder}: weight for {name} is {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, strict=True)
+
+
+def load_hf(folder: str, *, device: str | torch.device | None = "auto"):
+    """A transformers Llama folder as a ``Pretrained`` (model and the tokenizer it ships)."""
+    from rayllm.data import tokenizer as tokenizers
+    from rayllm.pretrained import Pretrained, resolve_device
+
+    args = model_args_from_hf(read_config(folder), folder)
+    model = Llama(args)
+    load_hf_into(model, folder)
+    tokenizer_path = os.path.join(folder, TOKENIZER_FILE)
+    if not os.path.exists(tokenizer_path):
+        raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; rayllm needs the fast tokenizer file")
+    with open(tokenizer_path) as f:
+        tok = tokenizers.load(f.read(), tokenizer_path)
+    return Pretrained(model=model.to(resolve_device(device)).eval(), tokenizer=tok, source=folder)
