@@ -96,6 +96,12 @@ class ModelSettings:
     ffn_multiple_of: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1-style rotary scaling (transformers' rope_type "llama3"): 1.0 is none. Long
+    # wavelengths are slowed by the factor, short ones kept, those between blended.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool = False
     # A local Hugging Face Llama folder (config.json, safetensors, tokenizer.json) to start from:
     # continued pretraining. Its config.json sets the shape above, its tokenizer.json data.tokenizer
@@ -260,6 +266,10 @@ class TrainConfig:
             "vocab_size",
             "norm_eps",
             "rope_theta",
+            "rope_scaling_factor",
+            "rope_low_freq_factor",
+            "rope_high_freq_factor",
+            "rope_original_max_len",
             "tie_embeddings",
         ):
             setattr(self.model, name, getattr(args, name))

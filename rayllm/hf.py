@@ -93,6 +93,18 @@ def from_hf_state(hf: dict[str, torch.Tensor], args: ModelArgs, folder: str) -> 
 
 
 # -- config -----------------------------------------------------------------------------------
+def _rope_scaling(args: ModelArgs) -> dict:
+    if args.rope_scaling_factor == 1.0:
+        return {"rope_type": "default"}
+    return {
+        "rope_type": "llama3",
+        "factor": args.rope_scaling_factor,
+        "low_freq_factor": args.rope_low_freq_factor,
+        "high_freq_factor": args.rope_high_freq_factor,
+        "original_max_position_embeddings": args.rope_original_max_len,
+    }
+
+
 def hf_config(args: ModelArgs, eos_id: int | None) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -106,7 +118,9 @@ def hf_config(args: ModelArgs, eos_id: int | None) -> dict:
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        # transformers 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
+        "rope_parameters": {"rope_theta": args.rope_theta, **_rope_scaling(args)},
+        "rope_scaling": _rope_scaling(args) if args.rope_scaling_factor != 1.0 else None,
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
@@ -140,11 +154,19 @@ def model_args_from_hf(config: dict, folder: str, max_seq_len: int | None = None
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "llama3"):
         raise CheckpointError(
-            f"{folder} uses rotary scaling {rope_type!r}, which rayllm's Llama does not compute yet; "
-            "import a Llama with plain rotary embeddings (rope_type 'default')"
+            f"{folder} uses rotary scaling {rope_type!r}, which rayllm's Llama does not compute; "
+            "it imports plain rotary embeddings (rope_type 'default') and Llama 3.1's ('llama3')"
         )
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = {
+            "rope_scaling_factor": float(rope["factor"]),
+            "rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "rope_original_max_len": int(rope["original_max_position_embeddings"]),
+        }
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(key, expected) != expected:
             raise CheckpointError(
@@ -165,6 +187,7 @@ def model_args_from_hf(config: dict, folder: str, max_seq_len: int | None = None
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         max_seq_len=max_seq_len or config.get("max_position_embeddings", 2048),
+        **scaling,
     )
 
 

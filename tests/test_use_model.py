@@ -16,6 +16,7 @@ import torch
 from conftest import TEST_MODEL, free_port
 
 import rayllm
+import rayllm.hf
 from rayllm import CheckpointError, ConfigError, TrainConfig
 from rayllm.model.generate import Sampling, generate
 from rayllm.model.sampling import greedy_continuations
@@ -150,8 +151,22 @@ def test_greedy_text_from_the_export_equals_the_checkpoints(model, exported):
         assert from_export.generate(prompt, 40) == model.generate(prompt, 40)
 
 
-def test_import_of_a_transformers_llama_gives_its_logits(tmp_path, tokenizer_file):
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 20000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short, so that 50 tokens reach the scaled range
+}
+
+
+@pytest.mark.parametrize(
+    "rope", [{"rope_type": "default", "rope_theta": 20000.0}, LLAMA3_ROPE], ids=["plain", "llama3"]
+)
+def test_import_of_a_transformers_llama_gives_its_logits(tmp_path, tokenizer_file, rope):
     config = transformers.LlamaConfig(
+        rope_parameters=rope,
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
@@ -159,7 +174,6 @@ def test_import_of_a_transformers_llama_gives_its_logits(tmp_path, tokenizer_fil
         num_key_value_heads=2,
         vocab_size=1024,
         max_position_embeddings=128,
-        rope_theta=20000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
@@ -175,6 +189,12 @@ def test_import_of_a_transformers_llama_gives_its_logits(tmp_path, tokenizer_fil
     ids = torch.randint(0, 1024, (2, 50))
     with torch.no_grad():
         assert (loaded.model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    assert loaded.args.rope_scaling_factor == rope.get("factor", 1.0)
+    # And back out: the export of the import is the same model to transformers.
+    rayllm.hf.save_hf(loaded.model, None, str(tmp_path / "again"), None, None)
+    again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
 
 
 def test_training_continues_from_an_imported_folder(model, exported, corpus, tmp_path):

@@ -74,11 +74,13 @@ def generate(
     if sampling.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(sampling.seed)
-    cache = KVCache(model.args, 1, device, dtype)
     context = list(prompt) or [stop_ids[0] if stop_ids else 0]
+    window = context[-max_len:]
+    # Sized to what this call can use, not to max_seq_len (a 128k context's cache is gigabytes).
+    capacity = min(max_len, len(window) + max_new_tokens)
+    cache = KVCache(model.args, 1, device, dtype, max_len=capacity)
     out: list[int] = []
     try:
-        window = context[-max_len:]
         logits = model(torch.tensor([window], device=device), cache=cache)[:, -1]
         for _ in range(max_new_tokens):
             token = int(next_token(logits, sampling, generator))
@@ -86,7 +88,7 @@ def generate(
             context.append(token)
             if token in stop_ids or len(out) == max_new_tokens:
                 break
-            if cache.length >= max_len:  # slide: refill from the last half of the context
+            if cache.length >= capacity:  # only at max_len: slide, refilling from the last half of the context
                 cache.reset()
                 logits = model(torch.tensor([context[-(max_len // 2) :]], device=device), cache=cache)[:, -1]
             else:

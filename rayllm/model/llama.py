@@ -26,6 +26,10 @@ class ModelArgs:
     ffn_multiple_of: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0  # 1.0: plain rotary embeddings; else Llama 3.1-style scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool = False
     max_seq_len: int = 2048
 
@@ -52,10 +56,29 @@ class RMSNorm(nn.Module):
         return norm.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Rotation speed of each channel pair, (head_dim // 2,).
+
+    With ``rope_scaling_factor`` != 1, Llama 3.1's scaling: pairs whose wavelength exceeds
+    ``rope_original_max_len / rope_low_freq_factor`` turn ``factor`` times slower, those shorter
+    than ``rope_original_max_len / rope_high_freq_factor`` keep their speed, and those between
+    blend the two by where the wavelength falls.
+    """
+    hd = args.head_dim
+    inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    factor = args.rope_scaling_factor
+    if factor == 1.0:
+        return inv_freq
+    low, high, original = args.rope_low_freq_factor, args.rope_high_freq_factor, args.rope_original_max_len
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed, 1: kept
+    scaled = (1 - blend) * inv_freq / factor + blend * inv_freq
+    return torch.where(wavelength > original / low, inv_freq / factor, scaled)
+
+
+def rope_tables(args: ModelArgs, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each (seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), rope_frequencies(args))
     return angles.cos(), angles.sin()
 
 
@@ -162,7 +185,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        cos, sin = rope_tables(args, args.max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
