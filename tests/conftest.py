@@ -40,6 +40,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_cmd(nproc: int, overrides: list[str], config: str = "configs/tiny.yaml") -> list[str]:
+    """The command for rayllm's loop under real torchrun: nproc gloo ranks on 127.0.0.1."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "rayllm.trainer.torchrun",
+        config,
+        *overrides,
+    ]
+
+
+def s3_client(endpoint: str, key: str = "testing", secret: str = "testing"):
+    """A boto3 S3 client for the moto server (which takes any credentials unless IAM is on)."""
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
+    )
+
+
 def ray_head_command(temp_dir, gcs_address: str, dashboard_port: int, *extra: str) -> list[str]:
     """`ray start --head` on 127.0.0.1 with a temp dir and ports of its own: the test session's
     local Ray holds the defaults. Stop it with ``kill_ray_head`` (`ray stop` ends every Ray)."""

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import s3_client
 
 from rayllm import TrainConfig, train
 from rayllm.data.order import local_stream
@@ -24,15 +25,7 @@ G = 8
 def small_corpus(s3_server) -> list[str]:
     """About 190 sequences of 65 tokens in 3 shards on S3, so a test can train through a whole epoch;
     the overrides that read it."""
-    import boto3
-
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(s3_server)
     s3.create_bucket(Bucket="exactly-once")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     for s in range(3):

@@ -8,29 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import free_port
+from conftest import torchrun_cmd
 
 pytestmark = pytest.mark.slow
-
-
-def torchrun_cmd(nproc: int, overrides: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "rayllm.trainer.torchrun",
-        "configs/tiny.yaml",
-        *overrides,
-    ]
 
 
 def records(run_dir) -> list[dict]:

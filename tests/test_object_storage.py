@@ -15,19 +15,13 @@ import time
 import boto3
 import numpy as np
 import pytest
-from conftest import TEST_MODEL, free_port
+from conftest import TEST_MODEL, free_port, s3_client
 
 from rayllm import DataError, TrainConfig
 from rayllm.data.order import DataState, local_stream, open_stream
 from rayllm.data.plan import prepare_data
 
 pytestmark = pytest.mark.slow
-
-
-def client(endpoint: str, key: str = "testing", secret: str = "testing"):
-    return boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name="us-east-1"
-    )
 
 
 def upload_corpus(s3, bucket: str, corpus, prefix: str = "corpus", public: bool = False) -> None:
@@ -89,7 +83,7 @@ def auth_s3(tmp_path_factory):
 
 def test_bad_credentials_are_a_clear_error(auth_s3, corpus, tmp_path):
     endpoint, key, secret = auth_s3
-    upload_corpus(client(endpoint, key, secret), "private", corpus)
+    upload_corpus(s3_client(endpoint, key, secret), "private", corpus)
     common = ["data.train=s3://private/corpus", f"data.storage.endpoint_url={endpoint}", f"run.dir={tmp_path / 'r'}"]
     # The right key reads the shards (the same server, so the failures below are the credentials').
     assert (
@@ -126,7 +120,7 @@ def test_nonexistent_bucket_is_named(s3_server, tmp_path):
 
 
 def test_anonymous_reads_of_a_public_bucket(s3_server, corpus, tokenizer_file, tmp_path):
-    upload_corpus(client(s3_server), "public-corpus", corpus, public=True)
+    upload_corpus(s3_client(s3_server), "public-corpus", corpus, public=True)
     anon = config(
         tmp_path,
         "data.train=s3://public-corpus/corpus",
@@ -165,7 +159,7 @@ def test_shard_deleted_after_listing_on_s3_through_ray_data(
 ):
     from rayllm.data.ray_stream import configure_ray_data, ray_chunks
 
-    s3 = client(s3_server)
+    s3 = s3_client(s3_server)
     bucket = f"deleted-{mode}"
     upload_corpus(s3, bucket, corpus)
     cfg = config(

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import s3_client
 
 from rayllm.errors import ConfigError, DataError
 from rayllm.prepare import PrepareConfig, prepare
@@ -221,17 +222,10 @@ def test_pre_tokenised_shards_decode_to_the_normalised_text(local_run, tokenizer
 
 
 def test_prepare_on_s3_skips_a_bad_shard_and_names_it(ray_local, s3_server, corpus_shards, tmp_path):
-    import boto3
     import s3fs
 
     shards, expected = corpus_shards
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(s3_server)
     s3.create_bucket(Bucket="prepare-test")
     paths = write_shards(tmp_path / "raw", shards)
     (tmp_path / "raw" / "part-4-broken.jsonl").write_text('{"text": "fine"}\n{not json\n')

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import s3_client
 
 from rayllm import TrainConfig, train
 
@@ -11,15 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def bucket(s3_server, corpus):
-    import boto3
-
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(s3_server)
     s3.create_bucket(Bucket="rayllm-test")
     for path in sorted(corpus.rglob("part-*")):
         s3.upload_file(str(path), "rayllm-test", f"corpus/{path.parent.name}/{path.name}")

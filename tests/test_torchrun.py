@@ -6,26 +6,13 @@ processes at the same global batch; a stopped run resumes where it stopped.
 
 import json
 import subprocess
-import sys
 
 import pytest
-from conftest import free_port
+from conftest import torchrun_cmd
 
 
 def torchrun(nproc: int, overrides: list[str]) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "rayllm.trainer.torchrun",
-        "configs/tiny.yaml",
-        *overrides,
-    ]
+    cmd = torchrun_cmd(nproc, overrides)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir="))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TEST_MODEL, free_port
+from conftest import TEST_MODEL, s3_client, torchrun_cmd
 
 import rayllm
 import rayllm.hf
@@ -27,20 +27,7 @@ PROMPTS = ["def ", "import "]
 
 
 def torchrun(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        "-m",
-        "rayllm.trainer.torchrun",
-        "configs/tiny.yaml",
-        *overrides,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_cmd(nproc, overrides), capture_output=True, text=True, timeout=timeout)
 
 
 def train_losses(run_dir) -> dict[int, float]:
@@ -266,17 +253,9 @@ def test_bad_paths_other_shapes_and_non_llama_folders_are_named(trained, tmp_pat
 
 
 def test_generate_from_a_checkpoint_on_s3(trained, model, s3_server, monkeypatch):
-    import boto3
-
     from rayllm.config import StorageSettings
 
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    s3 = s3_client(s3_server)
     s3.create_bucket(Bucket="ckpts")
     source = model.source
     for name in os.listdir(source):
