@@ -45,8 +45,31 @@ def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFile
     """The filesystem holding ``path`` and the path as that filesystem names it."""
     if not is_remote(path):
         return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
-    fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
+    try:
+        fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
+    except AttributeError as e:
+        if "aiohttp" not in str(e):
+            raise
+        _forget_half_imported_async_http()
+        fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
     return fs, stripped
+
+
+def _forget_half_imported_async_http() -> None:
+    """Drop aiohttp, aiobotocore and s3fs from ``sys.modules`` so the next import starts clean.
+
+    Seen in CI: a reused Ray Data worker process whose ``aiohttp`` had lost its
+    ``http_exceptions`` attribute, so every s3fs import there failed with "module aiohttp has
+    no attribute http_exceptions" for the rest of the session. That is what an import of
+    aiohttp cut short (a Ray task cancelled mid-import) leaves behind: the package is
+    re-imported but its already-loaded submodules are not re-attached to it. Nothing in those
+    libraries repairs it, so this does, once, on that exact error.
+    """
+    import sys
+
+    prefixes = ("aiohttp", "aiobotocore", "s3fs")
+    for name in [m for m in sys.modules if m.split(".")[0] in prefixes]:
+        del sys.modules[name]
 
 
 def full_uri(fs: fsspec.AbstractFileSystem, path: str) -> str:

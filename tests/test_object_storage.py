@@ -189,3 +189,21 @@ def test_shard_deleted_after_listing_on_s3_through_ray_data(
         if 1 in epochs:
             break
     assert [s["shard"] for s in skipped][:1] == [1] and "disappeared" in skipped[0]["error"], skipped
+
+
+def test_s3_opens_in_a_process_whose_aiohttp_import_was_cut_short():
+    """The state CI met in a reused Ray Data worker: aiohttp re-imported with its submodules still
+    cached, so s3fs's import fails on aiohttp.http_exceptions. rayllm re-imports and goes on."""
+    code = (
+        "import sys, aiohttp, aiohttp.http_exceptions\n"
+        "del sys.modules['aiohttp']\n"
+        "import aiohttp\n"
+        "assert not hasattr(aiohttp, 'http_exceptions')\n"
+        "from rayllm.config import StorageSettings\n"
+        "from rayllm.storage import filesystem\n"
+        "fs, _ = filesystem('s3://bucket/x', StorageSettings(endpoint_url='http://127.0.0.1:9', anon=True))\n"
+        "print(type(fs).__name__)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "S3FileSystem"
