@@ -18,7 +18,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 from rayllm.errors import CheckpointError
@@ -102,6 +107,15 @@ def check_model_shapes(directory: str, model_state: dict[str, Any], what: str = 
             f"checkpoint {directory} holds a model of another shape than {what} ({shown}). "
             "Set the model section to the shape it was trained with, or point at a checkpoint of this model"
         )
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Collective: every rank passes the whole, unsharded model state; each keeps its own shards.
+
+    DCP's ``set_model_state_dict`` does the sharding and maps the names through compile and
+    activation-checkpointing wrappers, as ``get_state_dict`` does for checkpoints.
+    """
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def load(directory: str, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

@@ -258,21 +258,9 @@ class TrainConfig:
             args = model_args_from_hf(read_config(folder), folder)
         except CheckpointError as e:
             raise ConfigError(f"model.init_from: {e}") from None
-        for name in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "vocab_size",
-            "norm_eps",
-            "rope_theta",
-            "rope_scaling_factor",
-            "rope_low_freq_factor",
-            "rope_high_freq_factor",
-            "rope_original_max_len",
-            "tie_embeddings",
-        ):
-            setattr(self.model, name, getattr(args, name))
+        for f in dataclasses.fields(ModelSettings):
+            if f.name not in ("ffn_hidden", "ffn_multiple_of", "init_from"):  # every other key is ModelArgs'
+                setattr(self.model, f.name, getattr(args, f.name))
         self.model.ffn_hidden = args.hidden_dim
         if self.data.tokenizer is None and os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
             self.data.tokenizer = os.path.join(folder, TOKENIZER_FILE)

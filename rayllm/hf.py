@@ -63,16 +63,22 @@ def weight_names(args: ModelArgs) -> dict[str, str]:
     return names
 
 
+def _rotary_heads(name: str, args: ModelArgs) -> int | None:
+    """Heads of a q or k projection, whose rows the two rotary layouts order differently; else None."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
 def to_hf_state(model: Llama) -> dict[str, torch.Tensor]:
     args, state = model.args, model.state_dict()
     out = {}
     for ours, theirs in weight_names(args).items():
         w = state[ours].detach().to("cpu", torch.float32)
-        if ours.endswith("attention.wq.weight"):
-            w = _to_half_split(w, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            w = _to_half_split(w, args.n_kv_heads)
-        out[theirs] = w.contiguous()
+        heads = _rotary_heads(ours, args)
+        out[theirs] = (w if heads is None else _to_half_split(w, heads)).contiguous()
     return out
 
 
@@ -82,11 +88,8 @@ def from_hf_state(hf: dict[str, torch.Tensor], args: ModelArgs, folder: str) -> 
         if theirs not in hf:
             raise CheckpointError(f"{folder} has no weight {theirs!r}: its weights do not match its {CONFIG_FILE}")
         w = hf[theirs].to(torch.float32)
-        if ours.endswith("attention.wq.weight"):
-            w = _to_pairs(w, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            w = _to_pairs(w, args.n_kv_heads)
-        out[ours] = w
+        heads = _rotary_heads(ours, args)
+        out[ours] = w if heads is None else _to_pairs(w, heads)
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -251,16 +254,17 @@ def read_weights(folder: str) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
 
 
-def load_hf_into(model: Llama, folder: str) -> None:
-    """Fill ``model`` (a plain Llama of the folder's shape) with the folder's weights."""
-    state = from_hf_state(read_weights(folder), model.args, folder)
-    expected = model.state_dict()
+def read_model_state(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The folder's weights under rayllm's names and layout, checked against the shapes ``args`` gives."""
+    state = from_hf_state(read_weights(folder), args, folder)
+    with torch.device("meta"):  # shapes only: nothing allocated
+        expected = Llama(args).state_dict()
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise CheckpointError(
                 f"{folder}: weight for {name} is {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(state, strict=True)
+    return state
 
 
 def load_hf(folder: str, *, device: str | torch.device | None = "auto"):
@@ -270,7 +274,7 @@ def load_hf(folder: str, *, device: str | torch.device | None = "auto"):
 
     args = model_args_from_hf(read_config(folder), folder)
     model = Llama(args)
-    load_hf_into(model, folder)
+    model.load_state_dict(read_model_state(folder, args), strict=True)
     tokenizer_path = os.path.join(folder, TOKENIZER_FILE)
     if not os.path.exists(tokenizer_path):
         raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; rayllm needs the fast tokenizer file")

@@ -116,9 +116,7 @@ def load(
 
         loaded = load_hf(path, device=device)
         if tokenizer:
-            loaded.tokenizer = tokenizers.load(
-                _tokenizer_text("", path, tokenizer, storage or StorageSettings()), tokenizer
-            )
+            loaded.tokenizer = tokenizers.load(_read_tokenizer(tokenizer, storage or StorageSettings()), tokenizer)
         return loaded
     return load_checkpoint(path, storage=storage, device=device, tokenizer=tokenizer)
 
@@ -146,10 +144,7 @@ def _read_state(local: str, uri: str) -> dict:
 
 def _tokenizer_text(local: str, uri: str, override: str | None, storage: StorageSettings) -> str:
     if override:
-        fs, p = filesystem(override, storage)
-        if not fs.exists(p):
-            raise CheckpointError(f"tokenizer {override} does not exist; give a tokenizer.json path")
-        return fs.cat_file(p).decode()
+        return _read_tokenizer(override, storage)
     try:
         with open(os.path.join(local, TOKENIZER_FILE)) as f:
             return f.read()
@@ -157,6 +152,13 @@ def _tokenizer_text(local: str, uri: str, override: str | None, storage: Storage
         raise CheckpointError(
             f"checkpoint {uri} carries no {TOKENIZER_FILE}; pass the run's tokenizer (--tokenizer PATH)"
         ) from None
+
+
+def _read_tokenizer(path: str, storage: StorageSettings) -> str:
+    fs, p = filesystem(path, storage)
+    if not fs.exists(p):
+        raise CheckpointError(f"tokenizer {path} does not exist; give a tokenizer.json path")
+    return fs.cat_file(p).decode()
 
 
 def find_checkpoint(path: str, storage: StorageSettings) -> str:

@@ -205,7 +205,7 @@ def test_training_continues_from_an_imported_folder(model, exported, corpus, tmp
     ]
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=overrides)
     assert config.model.dim == 64 and config.data.tokenizer == str(exported / "tokenizer.json")
-    proc = torchrun(1, overrides)
+    proc = torchrun(2, overrides)  # two FSDP ranks: the folder's weights are sharded as they load
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = train_losses(run_dir)
     scratch = torch.log(torch.tensor(1024.0)).item()

@@ -30,7 +30,7 @@ from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_bytes
-from rayllm.hf import load_hf_into
+from rayllm.hf import read_model_state
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel import compute_dtype, is_sharded, parallelize, should_compile
@@ -128,8 +128,6 @@ class Trainer:
         self.args = model_args(config)
         torch.manual_seed(t.seed)  # identical full init on every rank, whatever the world size
         model = Llama(self.args)
-        if config.model.init_from:  # continued pretraining; a checkpoint restored later overrides it
-            load_hf_into(model, config.model.init_from)
         self.n_params = num_params(model)
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
@@ -169,6 +167,10 @@ class Trainer:
     def restore(self) -> None:
         with self.session.restore_dir() as directory:
             if directory is None:
+                if self.config.model.init_from:  # continued pretraining: read only when starting afresh
+                    checkpoint.load_full_model_state(
+                        self.model, read_model_state(self.config.model.init_from, self.args)
+                    )
                 return
             state = checkpoint.load(directory, self.model, self.optimizer)
         self.step, self.consumed = state["step"], state["consumed"]
