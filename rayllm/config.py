@@ -18,6 +18,8 @@ from typing import Any, Union
 
 import yaml
 
+from rayllm import credentials
+from rayllm.credentials import REDACTED, redact_url
 from rayllm.errors import ConfigError
 
 
@@ -29,9 +31,13 @@ class RunSettings:
     dir: str = "runs/tiny"
 
 
-@dataclass
+@dataclass(repr=False)
 class StorageSettings:
-    """Object-store access for s3:// paths; unset values fall back to the AWS defaults."""
+    """Object-store access for s3:// paths; unset values fall back to the AWS defaults.
+
+    Its repr never shows a credential, and once ``sealed`` it pickles with its secret values
+    left in Ray's object store (rayllm.credentials): the one way they travel to other processes.
+    """
 
     endpoint_url: str | None = None
     key: str | None = None
@@ -39,13 +45,49 @@ class StorageSettings:
     region: str | None = None
     anon: bool = False
 
+    def _fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-SECRET_KEYS = ("key", "secret")
+    def __repr__(self) -> str:
+        shown = self._fields()
+        for name in credentials.secret_values(shown):
+            shown[name] = redact_url(shown[name]) if name == "endpoint_url" else REDACTED
+        return "StorageSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+    def credentials(self) -> dict[str, str]:
+        """The key, secret and endpoint URL as given, fetched from the object store when sealed."""
+        values = credentials.secret_values(self._fields())
+        ref = self.__dict__.get("_sealed")
+        return {**values, **credentials.resolve(ref)} if ref is not None else values
+
+    def sealed(self) -> StorageSettings:
+        """A copy to hand to other processes: its secrets go into Ray's object store (driver, Ray up)."""
+        copy = dataclasses.replace(self)
+        values = credentials.secret_values(self._fields())
+        if values:
+            copy.__dict__["_sealed"] = credentials.seal(values)
+        return copy
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self._fields()
+        secret = credentials.secret_values(state)
+        ref = self.__dict__.get("_sealed")
+        if secret and ref is None and credentials.ray_running_here():
+            raise RuntimeError(
+                "StorageSettings with credentials pickled while Ray runs: hand other processes "
+                "storage.sealed(), so the credentials travel only through Ray's object store"
+            )
+        if ref is not None:
+            for name in secret:
+                state[name] = redact_url(state[name]) if name == "endpoint_url" else None
+            state["_sealed"] = ref
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
-def redact_url(url: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://<redacted>@host``: credentials inside URLs."""
-    return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", url)
+SECRET_KEYS = credentials.SECRET_FIELDS
 
 
 @dataclass
@@ -80,6 +122,10 @@ class DataSettings:
     tokenize_tasks: int = 2
     # A shard that cannot be read: "error" stops the run naming it; "skip" skips it and counts it.
     on_bad_shard: str = "error"
+    # How long a rank waits for its next batch from the data stream before the attempt fails
+    # with an error naming the wait (a stalled or lost stream server); the run then restarts
+    # from its latest checkpoint.
+    wait_timeout_s: float = 300.0
     storage: StorageSettings = field(default_factory=StorageSettings)
 
 
@@ -152,6 +198,9 @@ class TrainingSettings:
     # torch.compile each transformer block. "auto": on GPU; on CPU it needs a C++ compiler and
     # pays off only on long runs (it takes seconds to minutes before the first step).
     compile: bool | str = "auto"
+    # A step whose loss or gradient norm is NaN or infinite is skipped (no update, no checkpoint);
+    # after this many in a row the run stops with its message (null: skip them all, never stop).
+    max_nonfinite_steps: int | None = 3
 
 
 @dataclass
@@ -170,6 +219,9 @@ class ClusterSettings:
     # How often Ray Train's controller polls the workers: how soon a dead worker is noticed and a
     # reported checkpoint registered, so resumable (null: Ray's own default, 2 s).
     health_check_interval_s: float | None = None
+    # How long to wait for room for the workers and the data tasks on a cluster that cannot grow
+    # (no autoscaler) before the run ends naming the fix; with an autoscaler it waits, showing it.
+    resource_wait_s: float = 300.0
     # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
     address: str | None = None
 
@@ -218,28 +270,11 @@ class TrainConfig:
         """The tree as a run records it: credentials replaced, so they never reach a log or tracker."""
         tree = self.to_dict()
         storage = tree["data"]["storage"]
-        for key in SECRET_KEYS:
-            if storage.get(key):
-                storage[key] = "<redacted>"
-        if storage.get("endpoint_url"):
-            storage["endpoint_url"] = redact_url(storage["endpoint_url"])
+        for name in credentials.secret_values(storage):
+            storage[name] = redact_url(storage[name]) if name == "endpoint_url" else REDACTED
         if tree["tracking"].get("repo"):
             tree["tracking"]["repo"] = redact_url(tree["tracking"]["repo"])
         return tree
-
-    def secrets(self) -> dict[str, str]:
-        """The values ``redacted`` hides, to travel apart from the config (as a Ray object)."""
-        storage = self.data.storage
-        found = {key: getattr(storage, key) for key in SECRET_KEYS if getattr(storage, key)}
-        if storage.endpoint_url and redact_url(storage.endpoint_url) != storage.endpoint_url:
-            found["endpoint_url"] = storage.endpoint_url
-        return found
-
-    def with_secrets(self, secrets: dict[str, str]) -> TrainConfig:
-        """This config with the values ``secrets`` gave back in place of the redacted ones."""
-        for key, value in secrets.items():
-            setattr(self.data.storage, key, value)
-        return self
 
     def with_overrides(self, overrides: list[str]) -> TrainConfig:
         return TrainConfig.from_dict(self.to_dict(), overrides)

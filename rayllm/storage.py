@@ -7,6 +7,7 @@ handled the same way everywhere (data shards, run files, Ray Train storage).
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 from typing import Any
@@ -30,12 +31,14 @@ def storage_options(path: str, storage: StorageSettings) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if storage.anon:
         options["anon"] = True
-    if storage.key:
-        options["key"] = storage.key
-    if storage.secret:
-        options["secret"] = storage.secret
-    if storage.endpoint_url:
-        options["endpoint_url"] = storage.endpoint_url
+    secret = storage.credentials()  # from Ray's object store in a process handed sealed settings
+    if secret.get("key"):
+        options["key"] = secret["key"]
+    if secret.get("secret"):
+        options["secret"] = secret["secret"]
+    endpoint = secret.get("endpoint_url") or storage.endpoint_url
+    if endpoint:
+        options["endpoint_url"] = endpoint
     if storage.region:
         options["client_kwargs"] = {"region_name": storage.region}
     return options
@@ -155,10 +158,40 @@ def join(base: str, *parts: str) -> str:
 
 
 def pyarrow_filesystem(uri: str, storage: StorageSettings):
-    """A pyarrow filesystem over fsspec for Ray Train's storage (None for local paths)."""
+    """A pyarrow filesystem over fsspec for Ray Train's storage (None for local paths).
+
+    It pickles as (uri, storage) and opens its fsspec filesystem on first use in each process:
+    a pickled s3fs filesystem would carry its key and secret inside Ray Train's actor arguments.
+    """
     if not is_remote(uri):
         return None, os.path.abspath(os.path.expanduser(uri))
     import pyarrow.fs
 
-    fs, path = filesystem(uri, storage)
-    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), path
+    _, path = filesystem(uri, storage)
+    return pyarrow.fs.PyFileSystem(_lazy_handler_class()(uri, storage)), path
+
+
+@functools.cache
+def _lazy_handler_class():
+    import pyarrow.fs
+
+    class LazyFSSpecHandler(pyarrow.fs.FSSpecHandler):
+        """pyarrow's fsspec handler, with the filesystem opened where it is used."""
+
+        def __init__(self, uri: str, storage: StorageSettings):
+            self._uri, self._storage, self._fs = uri, storage, None
+
+        @property
+        def fs(self):
+            if self._fs is None:
+                self._fs = filesystem(self._uri, self._storage)[0]
+            return self._fs
+
+        def __reduce__(self):
+            return (_make_lazy_handler, (self._uri, self._storage))
+
+    return LazyFSSpecHandler
+
+
+def _make_lazy_handler(uri: str, storage: StorageSettings):
+    return _lazy_handler_class()(uri, storage)

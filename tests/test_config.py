@@ -62,22 +62,32 @@ def test_credentials_are_redacted_from_the_recorded_config():
     assert config.data.storage.secret == "hunter2"  # still there for the workers
 
 
-def test_credentials_inside_urls_are_redacted_and_travel_apart_to_the_workers():
+def test_credentials_inside_urls_are_redacted_and_never_in_a_repr():
     config = TrainConfig.from_dict(
         {},
         overrides=[
             "data.storage.endpoint_url=https://minio:pa55word@s3.example.com:9000",
+            "data.storage.key=AKIAXYZ",
             "data.storage.secret=hunter2",
         ],
     )
     recorded = config.redacted()
-    text = str(recorded)
-    assert "pa55word" not in text and "hunter2" not in text
+    for text in (str(recorded), repr(config), str(config.data), repr(config.data.storage)):
+        assert "pa55word" not in text and "hunter2" not in text and "AKIAXYZ" not in text, text
     assert recorded["data"]["storage"]["endpoint_url"] == "https://<redacted>@s3.example.com:9000"
-    # What a worker gets: the redacted tree, then the secrets put back from their own channel.
-    worker = TrainConfig.from_dict(recorded).with_secrets(config.secrets())
-    assert worker.data.storage.endpoint_url == config.data.storage.endpoint_url
-    assert worker.data.storage.secret == "hunter2"
+    assert config.data.storage.credentials()["secret"] == "hunter2"  # still there for this process
+
+
+def test_unsealed_credentials_refuse_to_travel_while_ray_runs(monkeypatch):
+    import pickle
+
+    from rayllm import credentials
+
+    storage = TrainConfig.from_dict({}, overrides=["data.storage.secret=hunter2"]).data.storage
+    assert b"hunter2" in pickle.dumps(storage)  # without Ray (torchrun, spawn): passed as is
+    monkeypatch.setattr(credentials, "ray_running_here", lambda: True)
+    with pytest.raises(RuntimeError, match="sealed"):
+        pickle.dumps(storage)
 
 
 def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():

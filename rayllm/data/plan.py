@@ -6,12 +6,13 @@ dataset fails in seconds with a message instead of inside a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import posixpath
 from dataclasses import dataclass
 
-from rayllm.config import SourceSettings, TrainConfig
+from rayllm.config import SourceSettings, StorageSettings, TrainConfig
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.order import StreamPlan
@@ -31,6 +32,16 @@ class DataPlans:
     val: StreamPlan | None
     tokenizer_uri: str
     vocab_size: int
+
+    def with_storage(self, storage: StorageSettings) -> DataPlans:
+        """These plans reading through ``storage`` (a sealed copy, before they go to other processes)."""
+
+        def swap(plan: StreamPlan | None) -> StreamPlan | None:
+            if plan is None:
+                return None
+            return dataclasses.replace(plan, sources=[dataclasses.replace(s, storage=storage) for s in plan.sources])
+
+        return dataclasses.replace(self, train=swap(self.train), val=swap(self.val))
 
 
 @dataclass

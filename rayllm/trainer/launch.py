@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from rayllm.config import TrainConfig
+from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
@@ -110,9 +110,9 @@ def no_room_for_data(cluster_cpus: float, config: TrainConfig) -> str | None:
     )
 
 
-def _storage(config: TrainConfig) -> tuple[str, str, Any]:
+def _storage(config: TrainConfig, storage: StorageSettings) -> tuple[str, str, Any]:
     """(storage_path, name, filesystem) so that Ray Train's run folder is exactly run.dir."""
-    fs, path = pyarrow_filesystem(config.run.dir, config.data.storage)
+    fs, path = pyarrow_filesystem(config.run.dir, storage)
     path = path.rstrip("/")
     parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
     return parent or "/", name, fs
@@ -248,14 +248,17 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     control = ray.remote(RunControl).options(num_cpus=0, scheduling_strategy=here).remote()
-    storage_path, name, fs = _storage(config)
+    # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
+    sealed = config.data.storage.sealed()
+    plans = plans.with_storage(sealed)
+    storage_path, name, fs = _storage(config, sealed)
     lo, hi = config.worker_range
     trainer = TorchTrainer(
         train_loop_per_worker,
         # The config travels redacted; its credentials go as a Ray object, never shown as text.
         train_loop_config={
             "config": config.redacted(),
-            "secrets": ray.put(config.secrets()),
+            "storage": sealed,
             "queue": records,
             "plans": plans,
             "control": control,

@@ -138,7 +138,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         pass
     import ray
 
-    config = TrainConfig.from_dict(loop_config["config"]).with_secrets(ray.get(loop_config["secrets"]))
+    config = TrainConfig.from_dict(loop_config["config"])
+    config.data.storage = loop_config["storage"]  # sealed: its credentials come from Ray's object store
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
