@@ -115,9 +115,9 @@ def evaluate(
 
     import ray
 
+    from rayllm.checkpoint import find_checkpoint
     from rayllm.config import TrainConfig
-    from rayllm.pretrained import find_checkpoint
-    from rayllm.trainer.launch import connect_ray
+    from rayllm.ray_runtime import connect_ray
 
     storage = storage or StorageSettings()
     shards = expand_shards(data, storage, "evaluation data")
