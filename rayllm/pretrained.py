@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import posixpath
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -21,15 +20,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
 
-from rayllm.checkpoint import STATE_FILE, TOKENIZER_FILE, check_model_shapes
+from rayllm.checkpoint import STATE_FILE, TOKENIZER_FILE, check_model_shapes, find_checkpoint
 from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tokenizers
 from rayllm.errors import CheckpointError
 from rayllm.model import Llama, ModelArgs
 from rayllm.model.generate import Sampling, generate
-from rayllm.storage import filesystem, full_uri, is_remote
-
-METADATA_FILE = ".metadata"  # DCP's index of a checkpoint's shards
+from rayllm.storage import filesystem, is_remote
 
 
 @dataclass
@@ -93,7 +90,7 @@ def load_checkpoint(
         args = model_args_of(state, uri)
         model = Llama(args)
         model_state = model.state_dict()
-        check_model_shapes(local, model_state, what="the shape in its train_state.json")
+        check_model_shapes(dcp.FileSystemReader(local), uri, model_state, what="the shape in its train_state.json")
         with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model_state}, checkpoint_id=local)  # in place, into the model's own tensors
@@ -159,30 +156,6 @@ def _read_tokenizer(path: str, storage: StorageSettings) -> str:
     if not fs.exists(p):
         raise CheckpointError(f"tokenizer {path} does not exist; give a tokenizer.json path")
     return fs.cat_file(p).decode()
-
-
-def find_checkpoint(path: str, storage: StorageSettings) -> str:
-    """``path`` itself when it is a checkpoint, else the checkpoint of the highest step directly inside it."""
-    fs, p = filesystem(path, storage)
-    if not fs.exists(p):
-        raise CheckpointError(f"checkpoint path {path} does not exist; give a checkpoint folder or a run dir")
-    if fs.exists(posixpath.join(p, METADATA_FILE)):
-        return full_uri(fs, p)
-    best: tuple[int, str] | None = None
-    for entry in fs.ls(p, detail=False):
-        if entry.rstrip("/").endswith(".tmp"):  # being written (torchrun's checkpoints before commit)
-            continue
-        state_file = posixpath.join(entry, STATE_FILE)
-        if fs.exists(posixpath.join(entry, METADATA_FILE)) and fs.exists(state_file):
-            step = json.loads(fs.cat_file(state_file)).get("step", -1)
-            if best is None or step > best[0]:
-                best = (step, entry)
-    if best is None:
-        raise CheckpointError(
-            f"{path} is neither a checkpoint (no {METADATA_FILE}) nor a run dir with checkpoints in it; "
-            "give a checkpoint folder (rayllm train prints the latest one) or the run's run.dir"
-        )
-    return full_uri(fs, best[1])
 
 
 @contextlib.contextmanager

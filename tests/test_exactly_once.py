@@ -25,20 +25,24 @@ G = 8
 def small_corpus(s3_server) -> list[str]:
     """About 190 sequences of 65 tokens in 3 shards on S3, so a test can train through a whole epoch;
     the overrides that read it."""
-    s3 = s3_client(s3_server)
-    s3.create_bucket(Bucket="exactly-once")
+    return write_small_corpus(s3_server, "exactly-once")
+
+
+def write_small_corpus(s3_server: str, bucket: str, key: str = "testing", secret: str = "testing") -> list[str]:
+    s3 = s3_client(s3_server, key, secret)
+    s3.create_bucket(Bucket=bucket)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     for s in range(3):
         lines = []
         for d in range(6):
             text = " ".join(words[(s * 7 + d * 3 + i) % len(words)] + str(i % 17) for i in range(160))
             lines.append(json.dumps({"text": text}) + "\n")
-        s3.put_object(Bucket="exactly-once", Key=f"small/part-{s}.jsonl", Body="".join(lines).encode())
+        s3.put_object(Bucket=bucket, Key=f"small/part-{s}.jsonl", Body="".join(lines).encode())
     return [
-        "data.train=s3://exactly-once/small",
+        f"data.train=s3://{bucket}/small",
         f"data.storage.endpoint_url={s3_server}",
-        "data.storage.key=testing",
-        "data.storage.secret=testing",
+        f"data.storage.key={key}",
+        f"data.storage.secret={secret}",
         "data.storage.region=us-east-1",
     ]
 

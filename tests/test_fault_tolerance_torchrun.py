@@ -11,7 +11,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 from conftest import torchrun_cmd
+from safetensors.torch import load_file
+
+import rayllm
+from rayllm.checkpoint import COMMIT_FILE
+from rayllm.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +53,19 @@ def test_crash_between_write_and_commit_resumes_from_the_previous_checkpoint(bas
     )
     assert crashed.returncode != 0
     names = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint_"))
-    assert names == [
-        "checkpoint_00000002",
-        "checkpoint_00000004.tmp",
-    ]  # the written, uncommitted one is not a checkpoint
+    assert names == ["checkpoint_00000002", "checkpoint_00000004"]
+    partial = run_dir / "checkpoint_00000004"
+    assert (partial / "train_state.json").exists() and (partial / ".metadata").exists()  # rank 0's part is there
+    assert not (partial / COMMIT_FILE).exists()  # ... but the checkpoint was never committed
+    # Every reader takes the previous complete checkpoint: generate, export (and resume, below).
+    assert rayllm.load(str(run_dir), device="cpu").step == 2
+    with pytest.raises(CheckpointError, match="not a complete rayllm checkpoint"):
+        rayllm.load(str(partial), device="cpu")
+    exported = tmp_path / "hf"
+    rayllm.export_hf(str(run_dir), str(exported))
+    reference = rayllm.load(str(run_dir / "checkpoint_00000002"), device="cpu").model.state_dict()
+    weights = load_file(str(exported / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], reference["output.weight"])
     subprocess.run(torchrun_cmd(2, [*base, f"run.dir={run_dir}"]), check=True, capture_output=True, timeout=600)
     recs = records(run_dir)
     starts = [r for r in recs if r["kind"] == "start"]

@@ -1,15 +1,12 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP).
+"""Model and optimizer shards with torch.distributed.checkpoint (DCP), resharded on load.
 
-A checkpoint is a folder of DCP shards (model and optimizer, resharded on load to
-whatever world size loads them) plus, written by rank 0, ``train_state.json`` (the step,
-the data position, the last metrics and the model's shape) and the run's ``tokenizer.json``:
-so a checkpoint alone is enough to generate, evaluate or export. Where the folder lives
-(Ray Train storage or a run dir under torchrun) is the caller's business.
+Every rank reads and writes its own shards directly at the checkpoint's URI (a local path,
+or object storage through fsspec): no local staging folder, no second copy. What makes a
+folder a checkpoint (rank 0's state, the commit marker) is store.py's business.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import Future
 from typing import Any
@@ -26,17 +23,34 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
-
-STATE_FILE = "train_state.json"
-TOKENIZER_FILE = "tokenizer.json"
+from rayllm.storage import filesystem, is_remote, storage_options
 
 
-def save(directory: str, model: nn.Module, optimizer: Optimizer) -> None:
-    """Collective: every rank writes its shards into ``directory`` (which may differ per rank)."""
-    os.makedirs(directory, exist_ok=True)
+def _writer(uri: str, storage: StorageSettings):
+    if not is_remote(uri):
+        os.makedirs(uri, exist_ok=True)
+        return dcp.FileSystemWriter(uri)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    filesystem(uri, storage)[0].makedirs(uri, exist_ok=True)
+    return FsspecWriter(uri, **storage_options(uri, storage))
+
+
+def reader(uri: str, storage: StorageSettings):
+    """DCP's reader for a checkpoint folder, local or on object storage."""
+    if not is_remote(uri):
+        return dcp.FileSystemReader(uri)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(uri, **storage_options(uri, storage))
+
+
+def save(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:
+    """Collective: every rank writes its shards into the folder ``uri``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(uri, storage))
 
 
 class AsyncWriter:
@@ -62,13 +76,12 @@ class AsyncWriter:
             )
         )
 
-    def save(self, directory: str, model: nn.Module, optimizer: Optimizer) -> tuple[Future, Future]:
+    def save(self, uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> tuple[Future, Future]:
         """Collective: start copying and writing this rank's shards; returns (copied, written)."""
-        os.makedirs(directory, exist_ok=True)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            checkpoint_id=directory,
+            storage_writer=_writer(uri, storage),
             process_group=self._group,
             async_stager=self._stager,
         )
@@ -78,22 +91,15 @@ class AsyncWriter:
         self._stager.close()
 
 
-def write_state(directory: str, state: dict[str, Any], tokenizer_json: str | None = None) -> None:
-    """Rank 0's part: the step, data position, metrics and model shape, and the tokenizer, beside the shards."""
-    if tokenizer_json is not None:
-        with open(os.path.join(directory, TOKENIZER_FILE), "w") as f:
-            f.write(tokenizer_json)
-    with open(os.path.join(directory, STATE_FILE), "w") as f:
-        json.dump(state, f)
-
-
-def check_model_shapes(directory: str, model_state: dict[str, Any], what: str = "the config's model") -> None:
+def check_model_shapes(
+    checkpoint_reader, directory: str, model_state: dict[str, Any], what: str = "the config's model"
+) -> None:
     """Refuse, by name, a checkpoint whose model tensors do not have the shapes ``model_state`` has.
 
     DCP's own error for this is a size mismatch deep in its planner; this one names the
     tensors and the fix before anything is read.
     """
-    stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    stored = checkpoint_reader.read_metadata().state_dict_metadata
     problems = []
     for name, tensor in model_state.items():
         meta = stored.get(f"model.{name}")
@@ -118,16 +124,10 @@ def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> N
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
-def load(directory: str, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """Collective: restore model and optimizer from ``directory`` and return the train state."""
+def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:
+    """Collective: restore model and optimizer from the checkpoint at ``uri``, resharded."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_model_shapes(directory, model_sd)
+    check_model_shapes(reader(uri, storage), uri, model_sd)
     state_dict = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state_dict, checkpoint_id=directory)
+    dcp.load(state_dict, storage_reader=reader(uri, storage))
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
-    return read_state(directory)
-
-
-def read_state(directory: str) -> dict[str, Any]:
-    with open(os.path.join(directory, STATE_FILE)) as f:
-        return json.load(f)

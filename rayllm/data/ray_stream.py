@@ -196,12 +196,31 @@ def start_server(
     return actor.remote(plan, state.to_dict(), consumed, global_batch, world_size, parallelism)
 
 
-def served_batches(server, rank: int) -> Iterator[tuple[np.ndarray, DataState]]:
-    """This rank's batches from the server, with the data state after each."""
+class DataStreamLost(RuntimeError):
+    """The stream server died or stalled. Not a user error: the attempt fails and Ray Train restarts
+    the run from its latest checkpoint, whose data state says where the new server starts."""
+
+
+def served_batches(server, rank: int, timeout_s: float) -> Iterator[tuple[np.ndarray, DataState]]:
+    """This rank's batches from the server, with the data state after each; each wait has a deadline."""
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     while True:
-        for item in ray.get(server.take.remote(rank)):
+        try:
+            items = ray.get(server.take.remote(rank), timeout=timeout_s)
+        except RayActorError as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataStreamLost(
+                f"the data stream server died ({cause}); restarting from the latest checkpoint"
+            ) from None
+        except GetTimeoutError:
+            raise DataStreamLost(
+                f"rank {rank} waited {timeout_s:g} s (data.wait_timeout_s) for its next batch from the data "
+                "stream server and got none: the server or its Ray Data tasks are stalled (is there a free CPU "
+                "for them?); restarting from the latest checkpoint"
+            ) from None
+        for item in items:
             if isinstance(item, str) and item == _END:
                 return
             rows, meta = item

@@ -8,6 +8,11 @@ the file MARKER, and does nothing while that file exists.
 ``RAYLLM_FAULT_PAUSE_AT=STEP:MARKER`` makes every rank wait before training step STEP for as
 long as the file MARKER exists: a test holds a run there until something it waits for (a
 node added, a resize) has happened, however fast or slow the machine is.
+
+``RAYLLM_FAULT_NAN_FROM=STEP`` makes the loss NaN from step STEP on (divergence).
+
+``RAYLLM_FAULT_RAISE_AT=STEP`` makes rank 0 raise the same ValueError in step STEP on every
+attempt: an error no restart fixes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import time
 
 CRASH_BEFORE_COMMIT = "RAYLLM_FAULT_CRASH_BEFORE_COMMIT"
 PAUSE_AT = "RAYLLM_FAULT_PAUSE_AT"
-ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT)
+NAN_FROM = "RAYLLM_FAULT_NAN_FROM"
+RAISE_AT = "RAYLLM_FAULT_RAISE_AT"
+ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT, NAN_FROM, RAISE_AT)
 
 
 def maybe_crash_before_commit(step: int, rank: int, world_size: int) -> None:
@@ -38,3 +45,15 @@ def maybe_pause_before(step: int) -> None:
     at, marker = wanted.split(":", 1)
     while int(at) == step and os.path.exists(marker):
         time.sleep(0.1)
+
+
+def loss_scale(step: int) -> float:
+    """1.0, or NaN from RAYLLM_FAULT_NAN_FROM's step on."""
+    wanted = os.environ.get(NAN_FROM)
+    return float("nan") if wanted and step >= int(wanted) else 1.0
+
+
+def maybe_raise_at(step: int, rank: int) -> None:
+    wanted = os.environ.get(RAISE_AT)
+    if wanted and rank == 0 and step == int(wanted):
+        raise ValueError(f"injected deterministic failure in step {step}")

@@ -7,10 +7,8 @@ This is the only code path for training: ``rayllm train``, ``jobs/pretrain.py`` 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import queue as queue_lib
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,10 +19,13 @@ import yaml
 from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
+from rayllm.ray_runtime import connect_ray, no_room_for_data, wait_for_room  # noqa: F401  (older imports)
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.trainer import faults
-from rayllm.trainer.milestones import MilestoneKeeper
+from rayllm.trainer.control import RunControl
+from rayllm.trainer.failures import failure_message
 from rayllm.trainer.monitor import RunMonitor
+from rayllm.trainer.signals import StopSignals
 
 
 @dataclass
@@ -55,59 +56,6 @@ class TrainResult:
     @property
     def metrics(self) -> dict[str, Any]:
         return {"loss": self.loss, "val_loss": self.val_loss, "step": self.step, "tokens": self.tokens}
-
-
-def connect_ray(config: TrainConfig) -> None:
-    """Join RAY_ADDRESS / cluster.address when given, else start a local Ray on 127.0.0.1."""
-    # Keep every Ray process on loopback (see shared NOTES: Ray advertises the external IP otherwise).
-    # Ray reads this when it is imported, so it is set first.
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # A local run sends nothing off the machine: no usage statistics to Ray's servers.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        # Inside `ray job submit` the job's own runtime env (working dir, packages) applies.
-        ray.init(address=address, log_to_driver=True)
-        problem = no_room_for_data(ray.cluster_resources().get("CPU", 0.0), config)
-        if problem:
-            print(f"[rayllm] warning: {problem}", file=sys.stderr, flush=True)
-        return
-    lo, hi = config.worker_range
-    cpus = os.cpu_count() or 1
-    # Training workers reserve their CPUs; Ray Data's tokenizer actors need a little room beside them.
-    num_cpus = max(cpus, hi * config.cluster.cpus_per_worker + 1)
-    ray.init(
-        num_cpus=num_cpus,
-        _node_ip_address="127.0.0.1",
-        include_dashboard=True,  # Ray Train's controller queries the state API it serves
-        dashboard_host="127.0.0.1",
-        logging_level="WARNING",
-    )
-
-
-def no_room_for_data(cluster_cpus: float, config: TrainConfig) -> str | None:
-    """Why training would wait for ever on a cluster of ``cluster_cpus`` CPUs, or None: the
-    worker group Ray Train would start there takes every CPU, so the data pipeline's tasks can
-    never run (unless an autoscaler adds nodes)."""
-    from rayllm.data.ray_stream import DATA_TASK_CPUS
-
-    lo, hi = config.worker_range
-    per_worker = config.cluster.cpus_per_worker
-    workers = min(hi, math.floor(cluster_cpus / per_worker)) if per_worker else hi
-    if workers < lo or cluster_cpus - workers * per_worker >= DATA_TASK_CPUS:
-        return None
-    return (
-        f"the cluster has {cluster_cpus:g} CPUs and {workers} worker(s) x {per_worker:g} CPU "
-        f"(cluster.cpus_per_worker) take them all: the data pipeline's tasks ({DATA_TASK_CPUS:g} CPU each) "
-        f"cannot run, and training waits until the cluster grows. Give Ray more logical CPUs "
-        f"(ray start --num-cpus={math.ceil(workers * per_worker + 2 * DATA_TASK_CPUS)}) or lower "
-        f"cluster.cpus_per_worker."
-    )
 
 
 def _storage(config: TrainConfig, storage: StorageSettings) -> tuple[str, str, Any]:
@@ -151,77 +99,13 @@ def _controller_env(config: TrainConfig):
                 os.environ[name] = value
 
 
-def _failure_message(error: BaseException) -> str:
-    """The first user-facing rayllm error inside a Ray Train failure, or the error itself."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
-            continue
-        seen.add(id(e))
-        if isinstance(e, RayllmError):
-            return str(e)
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
-        stack.extend([e.__cause__, e.__context__])
-    text = str(error)
-    for marker in ("rayllm.errors.DataError: ", "rayllm.errors.ConfigError: "):
-        if marker in text:
-            return text.split(marker, 1)[1].splitlines()[0]
-    return text
+WORKER_SETUP_HOOK = "rayllm.trainer.signals.install_in_worker"
 
 
-class RunControl:
-    """A Ray actor on the driver's node that outlives worker-group restarts: the stop flag the
-    driver sets on SIGTERM/SIGINT (rank 0 reads it between steps), and the first rayllm error a
-    rank hit, so that the attempts Ray Train starts after it fail at once with the same message
-    instead of retrying what cannot succeed (a bad shard, a config the world size cannot take)."""
-
-    def __init__(self):
-        self._requested = False
-        self._fatal: str | None = None
-
-    def request(self) -> None:
-        self._requested = True
-
-    def requested(self) -> bool:
-        return self._requested
-
-    def set_fatal(self, message: str) -> None:
-        if self._fatal is None:
-            self._fatal = message
-
-    def fatal(self) -> str | None:
-        return self._fatal
-
-
-def _stop_on_signals(control, stopped_by: list[str], log):
-    """SIGTERM (a spot notice, ``ray job stop``) or Ctrl-C: checkpoint at the next step, then end.
-    A second signal ends at once. Returns a function that puts the old handlers back."""
-    import signal
-
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # signals reach only the main thread; a script calling from a thread keeps its own
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if stopped_by:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + signum)
-        stopped_by.append(name)
-        print(f"[rayllm] {name}: saving a checkpoint at the next step, then stopping", flush=True)
-        control.request.remote()
-
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore() -> None:
-        for sig, previous in old.items():
-            signal.signal(sig, previous)
-
-    return restore
+def _stop_requested(name: str, control) -> None:
+    """The driver's first SIGTERM/SIGINT: every rank checkpoints at the next step, then the run ends."""
+    print(f"[rayllm] {name}: saving a checkpoint at the next step, then stopping", flush=True)
+    control.request_stop.remote()
 
 
 def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
@@ -232,11 +116,12 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     resolved = yaml.safe_dump(config.redacted(), sort_keys=False)
     write_text(join(config.run.dir, "config.yaml"), resolved, config.data.storage)
     connect_ray(config)
+    wait_for_room(config, log)
 
     import ray.train
-    from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
+    from rayllm.trainer.failures import RayllmTorchTrainer
     from rayllm.trainer.ray_worker import train_loop_per_worker
 
     monitor = RunMonitor(config, quiet=quiet)
@@ -248,12 +133,13 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
     control = ray.remote(RunControl).options(num_cpus=0, scheduling_strategy=here).remote()
+    signals = StopSignals(on_first=lambda name: _stop_requested(name, control))
     # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
     sealed = config.data.storage.sealed()
     plans = plans.with_storage(sealed)
     storage_path, name, fs = _storage(config, sealed)
     lo, hi = config.worker_range
-    trainer = TorchTrainer(
+    trainer = RayllmTorchTrainer(
         train_loop_per_worker,
         # The config travels redacted; its credentials go as a Ray object, never shown as text.
         train_loop_config={
@@ -281,16 +167,14 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
             # Progress reaches the driver through the monitor; Ray Train's per-report lines are noise.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            worker_runtime_env={"env_vars": _thread_env(config)},
+            # Every worker process gets rayllm's SIGTERM handler (a preempted node checkpoints).
+            worker_runtime_env={"env_vars": _thread_env(config), "worker_process_setup_hook": WORKER_SETUP_HOOK},
         ),
     )
     stop = threading.Event()
-    keeper = MilestoneKeeper(config)
 
     def handle(record: dict[str, Any]) -> None:
         monitor.handle(record)
-        if record.get("kind") == "checkpoint":
-            keeper.saw_checkpoint(int(record["step"]))
 
     def follow() -> None:
         while not stop.is_set():
@@ -305,15 +189,14 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
 
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
-    stopped_by: list[str] = []
-    restore_signals = _stop_on_signals(control, stopped_by, log)
+    signals.install()
     try:
         with _controller_env(config):
             result = trainer.fit()
     except Exception as e:
-        raise RayllmError(f"training failed: {_failure_message(e)}") from e
+        raise RayllmError(f"training failed: {failure_message(e)}") from e
     finally:
-        restore_signals()
+        signals.restore()
         stop.set()
         follower.join(timeout=5)
         while True:
@@ -321,7 +204,6 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
                 handle(records.get_nowait())
             except Exception:
                 break
-        keeper.close()
         monitor.close()
         try:
             records.shutdown()
@@ -347,8 +229,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
         peak_memory_bytes=metrics.get("peak_memory_bytes"),
         data_report=monitor.data_report(),
-        stopped_by=stopped_by[0] if stopped_by else None,
-        kept_checkpoints=list(keeper.kept),
+        stopped_by=signals.name,
+        kept_checkpoints=list(monitor.kept),
         history=monitor.history,
     )
     if not quiet:

@@ -11,10 +11,8 @@ worker and under plain torchrun.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -29,12 +27,14 @@ from rayllm.data import tokenizer as tokenizers
 from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
+from rayllm.errors import RayllmError
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_bytes
 from rayllm.hf import read_model_state
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel import compute_dtype, is_sharded, parallelize, should_compile
 from rayllm.trainer import faults
+from rayllm.trainer.checkpointer import Checkpointer, PendingCheckpoint
 from rayllm.trainer.schedule import lr_at
 
 
@@ -52,14 +52,10 @@ class Session(Protocol):
         """This rank's rows of each global batch from ``consumed`` on, with the data state after each."""
         ...
 
-    def restore_dir(self) -> contextlib.AbstractContextManager[str | None]: ...
+    prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
 
-    def checkpoint_dir(self, step: int) -> str:
-        """A fresh folder where this rank writes its part of the checkpoint of ``step``."""
-        ...
-
-    def commit(self, step: int, metrics: dict[str, Any], directory: str, upload_async: bool) -> None:
-        """Collective: make the written checkpoint the run's latest (visible only once complete)."""
+    def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
+        """Collective: a complete checkpoint exists at ``uri`` (Ray Train records it for retention)."""
         ...
 
     def report(self, metrics: dict[str, Any]) -> None:
@@ -73,19 +69,9 @@ class Session(Protocol):
     def emit(self, record: dict[str, Any]) -> None: ...
 
 
-@dataclasses.dataclass
-class _Checkpoint:
-    """A checkpoint being written: what rank 0 adds beside the shards, and the write's future."""
-
-    step: int
-    directory: str
-    state: dict[str, Any]
-    metrics: dict[str, Any]
-    ids: np.ndarray | None
-    final: bool = False
-    copied: Any = None  # futures from an async save: shards copied to CPU memory; None once waited for
-    future: Any = None  # ... shards written; None once written
-    stall_s: float = 0.0  # time the step loop spent on this checkpoint
+class WorkerPreempted(RuntimeError):
+    """A rank's process got SIGTERM (or its node a preemption notice): the run checkpointed and this
+    attempt ends, so that Ray Train restarts it on what remains (not a user error: retried)."""
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -154,25 +140,21 @@ class Trainer:
         self._tokenizer = None  # for samples, loaded on first use
         self._eos: int | None = None
         self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
-        self._pending: _Checkpoint | None = None  # an async checkpoint still being written
         # Two gloo groups of their own: one for the background writer's collectives, one for the
         # per-step control flags. Collectives from two threads on one group would interleave.
         self._control_group = None
-        self._checkpoint_group = None
-        self._writer: checkpoint.AsyncWriter | None = None
-        self._last_checkpoint_at = time.monotonic()
+        self.checkpointer: Checkpointer | None = None
         self.stopped = False  # ended early on a stop request, with a checkpoint
+        self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
-        with self.session.restore_dir() as directory:
-            if directory is None:
-                if self.config.model.init_from:  # continued pretraining: read only when starting afresh
-                    checkpoint.load_full_model_state(
-                        self.model, read_model_state(self.config.model.init_from, self.args)
-                    )
-                return
-            state = checkpoint.load(directory, self.model, self.optimizer)
+        uri = self.checkpointer.latest()
+        if uri is None:
+            if self.config.model.init_from:  # continued pretraining: read only when starting afresh
+                checkpoint.load_full_model_state(self.model, read_model_state(self.config.model.init_from, self.args))
+            return
+        state = self.checkpointer.restore(uri, self.model, self.optimizer)
         self.step, self.consumed = state["step"], state["consumed"]
         self.data_state = DataState.from_dict(state.get("data"))
         counts = state.get("source_counts") or []
@@ -195,12 +177,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _checkpoint(self, metrics: dict[str, Any], final: bool) -> None:
-        """Collective: checkpoint this step. Async (unless final or train.async_checkpoint is off):
-        the loop waits only while the shards are copied to CPU memory; they are written and
-        committed later, at the first step where every rank's write has finished."""
-        started = time.perf_counter()
-        if self._pending is not None:  # one write at a time: finish the previous one first
-            self._commit(self._pending, upload_async=True)
+        """Collective: checkpoint this step (see Checkpointer)."""
         counts = _all_sum([float(c) for c in self.source_counts], self.device)
         total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
         ids = None
@@ -208,74 +185,37 @@ class Trainer:
             # The ids trained on since the previous checkpoint, committed with this one.
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
             self._consumed_ids = []
-        ckpt = _Checkpoint(
-            self.step,
-            self.session.checkpoint_dir(self.step),
-            self._state(metrics, total_counts),
-            dict(metrics),
-            ids,
-            final=final,
-        )
-        if self.config.train.async_checkpoint and not final:
-            if self._writer is None:
-                self._writer = checkpoint.AsyncWriter(self.device, self._checkpoint_group)
-            ckpt.copied, ckpt.future = self._writer.save(ckpt.directory, self.model, self.optimizer)
-            ckpt.stall_s = time.perf_counter() - started
-            self._pending = ckpt
-        else:
-            checkpoint.save(ckpt.directory, self.model, self.optimizer)
-            ckpt.stall_s = time.perf_counter() - started
-            self._commit(ckpt, upload_async=self.config.train.async_checkpoint and not final)
+        pending = PendingCheckpoint(self.step, self._state(metrics, total_counts), dict(metrics), ids, final=final)
+        self.checkpointer.save(pending, self.model, self.optimizer)
 
-    def _commit(self, ckpt: _Checkpoint, upload_async: bool) -> None:
-        """Collective: wait for the shards, add rank 0's state (and the ids), hand it to the session."""
-        started = time.perf_counter()
-        self._wait_copied()
-        if ckpt.future is not None:
-            ckpt.future.result()
-            ckpt.future = None
-        faults.maybe_crash_before_commit(ckpt.step, self.session.rank, self.session.world_size)
-        if self.session.rank == 0:
-            checkpoint.write_state(ckpt.directory, ckpt.state, self.session.train_plan.sources[0].tokenizer_json)
-        if ckpt.ids is not None:
-            np.save(os.path.join(ckpt.directory, f"consumed-rank{self.session.rank:05d}.npy"), ckpt.ids)
-        self.session.commit(ckpt.step, ckpt.metrics, ckpt.directory, upload_async=upload_async)
-        ckpt.stall_s += time.perf_counter() - started
-        if self._pending is ckpt:
-            self._pending = None
-        self._last_checkpoint_at = time.monotonic()
-        if self.session.rank == 0:
-            self.session.emit(
-                {
-                    "kind": "checkpoint",
-                    "step": ckpt.step,
-                    "stall_s": ckpt.stall_s,
-                    "async": upload_async,
-                    "final": ckpt.final,
-                }
-            )
-
-    def _wait_copied(self) -> None:
-        """Before weights change: wait until a pending async save has copied them (its stall)."""
-        ckpt = self._pending
-        if ckpt is None or ckpt.copied is None:
-            return
-        started = time.perf_counter()
-        ckpt.copied.result()
-        ckpt.copied = None
-        ckpt.stall_s += time.perf_counter() - started
-
-    def _control(self) -> tuple[bool, bool, bool]:
-        """(a write still running on some rank, stop requested, checkpoint time due): agreed by
-        all ranks with one small all-reduce on the gloo group, so they act at the same step."""
+    def _control(self) -> tuple[bool, bool, bool, int | None]:
+        """(a write still running on some rank, stop requested, checkpoint time due, a preempted
+        rank or None): agreed by all ranks with one small all-reduce on the gloo group, so they
+        act at the same step."""
         t = self.config.train
-        busy = self._pending is not None and not self._pending.future.done()
-        due = bool(t.checkpoint_every_s) and time.monotonic() - self._last_checkpoint_at >= t.checkpoint_every_s
-        flags = torch.tensor([busy, self.session.stop_requested(), due and self.session.rank == 0], dtype=torch.int32)
+        busy = self.checkpointer.writing()
+        due = bool(t.checkpoint_every_s) and time.monotonic() - self.checkpointer.last_at >= t.checkpoint_every_s
+        preempted = getattr(self.session, "preempted", None)
+        preempt = self.session.rank + 1 if preempted is not None and preempted() else 0
+        flags = torch.tensor(
+            [busy, self.session.stop_requested(), due and self.session.rank == 0, preempt], dtype=torch.int32
+        )
         if self._control_group is not None and self.session.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
-        busy, stop, due = (bool(v) for v in flags.tolist())
-        return busy, stop, due
+        busy, stop, due, preempt = flags.tolist()
+        return bool(busy), bool(stop), bool(due), (preempt - 1 if preempt else None)
+
+    def _diverged(self) -> RayllmError:
+        """Collective: commit what is pending (finite weights), then the error that ends the run."""
+        self.checkpointer.close()
+        latest = self.checkpointer.latest()
+        where = f" ({latest})" if latest else ""
+        return RayllmError(
+            f"the loss or gradient norm was NaN or infinite at {self.nonfinite_in_row} steps in a row, up to step "
+            f"{self.step} (train.max_nonfinite_steps); those steps were skipped and the run stopped. The latest "
+            f"checkpoint{where} is the last finite one: lower train.lr, raise train.warmup_steps, or check the data "
+            "at these steps"
+        )
 
     # -- steps ---------------------------------------------------------------------------
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
@@ -298,18 +238,25 @@ class Trainer:
         for i, rows_i in enumerate(micro):
             if self.sharded:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = self._loss(rows_i) / len(micro)
+            loss = self._loss(rows_i) * faults.loss_scale(self.step + 1) / len(micro)
             loss.backward()
             total += loss.detach()  # summed on the device: one sync per step, not per micro-batch
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        self._wait_copied()  # an async save's copy overlapped forward and backward; the step changes the weights
-        self.optimizer.step()
+        loss_value, norm_value = total.item(), float(norm)
+        # The norm is global (every rank computes the same), so every rank skips the same steps;
+        # a NaN or inf loss on any rank makes it non-finite through the gradients' reduction.
+        finite = math.isfinite(norm_value) and math.isfinite(loss_value)
+        if finite:
+            if self.checkpointer is not None:  # an async save's copy overlapped forward and backward,
+                self.checkpointer.wait_copied()  # and the optimizer step changes the weights
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row = 0 if finite else self.nonfinite_in_row + 1
         self.step += 1
         self.consumed += t.global_batch_size
-        return total.item(), float(norm)
+        return loss_value, norm_value
 
     def samples(self) -> list[dict[str, str]]:
         """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them)."""
@@ -356,6 +303,12 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         t, session = self.config.train, self.session
+        if dist.is_initialized():
+            self._control_group = dist.new_group(backend="gloo")  # collectives: every rank, here
+            checkpoint_group = dist.new_group(backend="gloo")
+        else:
+            checkpoint_group = None
+        self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group)
         self.restore()
         rank0 = session.rank == 0
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
@@ -363,10 +316,8 @@ class Trainer:
             if rank0:
                 session.emit({"kind": "done", "step": self.step, **self.last_metrics})
             session.report(self.last_metrics)
+            self.checkpointer.close()
             return self.last_metrics
-        if dist.is_initialized():
-            self._control_group = dist.new_group(backend="gloo")  # collectives: every rank, here
-            self._checkpoint_group = dist.new_group(backend="gloo")
         tokens_per_step = t.global_batch_size * self.config.data.seq_len
         fpt = flops_per_token(self.args, self.config.data.seq_len)
         # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
@@ -396,6 +347,7 @@ class Trainer:
         skips_reported = len(self.data_state.skipped)
         while self.step < end:
             faults.maybe_pause_before(self.step + 1)
+            faults.maybe_raise_at(self.step + 1, session.rank)
             wait_start = time.perf_counter()
             rows, data_state = next(batches)
             window_wait += time.perf_counter() - wait_start
@@ -407,12 +359,26 @@ class Trainer:
             if rank0 and first:
                 session.emit({"kind": "first_step", "step": self.step})
             first = False
+            if self.nonfinite_in_row:
+                if rank0:
+                    session.emit(
+                        {
+                            "kind": "nonfinite",
+                            "step": self.step,
+                            "loss": loss,
+                            "grad_norm": grad_norm,
+                            "in_row": self.nonfinite_in_row,
+                        }
+                    )
+                if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
+                    raise self._diverged()
+                loss = 0.0  # kept out of the logged mean below
             window_loss += loss
             window_steps += 1
-            busy, stop, due = self._control()
-            if self._pending is not None and not busy:
-                self._commit(self._pending, upload_async=True)
-            last = self.step == end or stop
+            busy, stop, due, preempted = self._control()
+            if self.checkpointer.pending is not None and not busy:
+                self.checkpointer.commit(self.checkpointer.pending)
+            last = self.step == end or stop or preempted is not None
             if self.step % t.log_every == 0 or last:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -453,8 +419,17 @@ class Trainer:
                 samples = self.samples()
                 if rank0 and samples:
                     session.emit({"kind": "samples", "step": self.step, "samples": samples})
-            if self.step % t.checkpoint_every == 0 or due or last:
+            # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
+            if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
                 self._checkpoint(metrics, final=last)
+            if preempted is not None:
+                self.checkpointer.close()
+                if rank0:
+                    session.emit({"kind": "preempted", "step": self.step, "rank": preempted})
+                raise WorkerPreempted(
+                    f"rank {preempted} was asked to stop (SIGTERM or a preemption notice); checkpointed at step "
+                    f"{self.step}, restarting from there"
+                )
             if stop:
                 self.stopped = True
                 if rank0:
@@ -462,11 +437,7 @@ class Trainer:
                 break
             if self.step % t.log_every == 0 or last:
                 window_start = time.perf_counter()
-        if self._pending is not None:
-            self._commit(self._pending, upload_async=False)
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self.checkpointer.close()
         self.last_metrics = metrics
         close = getattr(session, "close", None)
         if close is not None:

@@ -59,6 +59,7 @@ class RunMonitor:
         self.initial_val_loss: float | None = None
         self.mixture: dict[str, float] = {}
         self.skipped: list[dict[str, Any]] = []
+        self.kept: list[str] = []  # milestone checkpoints copied to run.dir/kept/
         self.world_size: int | None = None  # of the latest attempt, to log resizes
         self._local_log = None
         # On object storage, which cannot append, metrics.jsonl is rewritten whole: the earlier
@@ -114,6 +115,28 @@ class RunMonitor:
             )
         elif kind == "checkpoint":
             self.tracker.log_metrics({"checkpoint_stall_s": record["stall_s"]}, step, "train")
+        elif kind == "failure":
+            where = f" on node {record['node']}" if record.get("node") else ""
+            then = "the run ends" if record.get("final") else "restarting from the latest checkpoint"
+            self.say(
+                f"[rayllm] attempt failed at step {step} on rank {record['rank']}{where}: {record['message']}; {then}"
+            )
+        elif kind == "preempted":
+            self.say(
+                f"[rayllm] rank {record['rank']} was asked to stop (SIGTERM or a preemption notice): checkpointed at "
+                f"step {step}; restarting from there"
+            )
+        elif kind == "nonfinite":
+            print(
+                f"[rayllm] warning: step {step} skipped: loss {record['loss']}, gradient norm {record['grad_norm']} "
+                f"({record['in_row']} in a row)",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif kind == "kept":
+            self.kept.append(record["uri"])
+        elif kind == "warning":
+            print(f"[rayllm] warning at step {step}: {record['message']}", file=sys.stderr, flush=True)
         elif kind == "stopped":
             self.say(f"[rayllm] stopped at step {step} with a checkpoint; running again resumes from it")
         elif kind == "first_step":

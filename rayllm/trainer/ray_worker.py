@@ -1,39 +1,43 @@
-"""The per-rank loop as a Ray Train worker: data from dataset shards, checkpoints via report."""
+"""The per-rank loop as a Ray Train worker: data from the stream server, checkpoints registered by report."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
-import tempfile
+import posixpath
 import time
 from typing import Any
 
 import torch
 
+from rayllm.checkpoint import checkpoint_name
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.ray_stream import served_batches, start_server
 from rayllm.errors import RayllmError
+from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
+from rayllm.trainer.signals import WORKER
 
 
 class RaySession:
     def __init__(self, config: TrainConfig, queue, plans, control=None):
+        import ray
         import ray.train
 
         self._train = ray.train
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
-        self._queue = queue if self.rank == 0 else None
+        self._queue = queue  # progress from rank 0; failures from any rank
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
         self._server = None
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
+        self.node = ray.get_runtime_context().get_node_id()[:8]
         self._stop_checked_at = 0.0
         self._stop = False
         self._emit_failed = False
+        self.prunes_checkpoints = False  # Ray Train keeps the last K it has registered
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -63,7 +67,7 @@ class RaySession:
         if self.world_size > 1:
             dist.broadcast_object_list(name, src=0)
         server = self._server if self.rank == 0 else ray.get_actor(name[0])
-        return served_batches(server, self.rank)
+        return served_batches(server, self.rank, self.config.data.wait_timeout_s)
 
     def close(self) -> None:
         if self._server is not None:
@@ -72,30 +76,21 @@ class RaySession:
             ray.kill(self._server)
             self._server = None
 
-    def restore_dir(self):
-        ckpt = self._train.get_checkpoint()
-        return ckpt.as_directory() if ckpt is not None else contextlib.nullcontext(None)
-
-    def checkpoint_dir(self, step: int) -> str:
-        """Every rank writes its shards into a local folder of its own; Ray merges them in storage."""
-        return tempfile.mkdtemp(prefix=f"rayllm-ckpt-{step:08d}-r{self.rank}-")
-
-    def commit(self, step: int, metrics: dict[str, Any], directory: str, upload_async: bool) -> None:
-        """Ray Train uploads the folders (in the background when async) and registers the
-        checkpoint only once every rank's upload is done, so a crash mid-save leaves the
-        previous checkpoint the latest; the local folder is deleted after its upload."""
-        mode = self._train.CheckpointUploadMode
-        try:
-            self._train.report(
-                dict(metrics),
-                checkpoint=self._train.Checkpoint.from_directory(directory),
-                checkpoint_dir_name=f"checkpoint_{step:08d}",
-                checkpoint_upload_mode=mode.ASYNC if upload_async else mode.SYNC,
-                delete_local_checkpoint_after_upload=True,
-            )
-        except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
-            raise
+    def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
+        """Ray Train records the complete checkpoint, already in its run folder, for its retention of
+        the last K and for the run's result. Its report queue holds one entry until the controller's
+        next poll (seconds), so the report goes through Ray's async path, whose upload step is here a
+        no-op, instead of stalling the step loop."""
+        storage = self._train.get_context().get_storage()
+        path = posixpath.join(storage.experiment_fs_path, checkpoint_name(step))
+        self._train.report(
+            dict(metrics),
+            checkpoint=self._train.Checkpoint(path, filesystem=storage.storage_filesystem),
+            checkpoint_dir_name=checkpoint_name(step),
+            checkpoint_upload_mode=self._train.CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=_already_stored,
+            delete_local_checkpoint_after_upload=False,  # the "local" folder is the stored checkpoint
+        )
 
     def report(self, metrics: dict[str, Any]) -> None:
         self._train.report(dict(metrics))
@@ -110,14 +105,26 @@ class RaySession:
 
             self._stop_checked_at = now
             try:
-                self._stop = bool(ray.get(self._control.requested.remote(), timeout=5))
+                self._stop = bool(ray.get(self._control.stop_requested.remote(), timeout=5))
             except Exception:  # the driver is gone or busy: keep training, ask again later
                 pass
         return self._stop
 
+    def preempted(self) -> bool:
+        """A SIGTERM to this worker process (a spot reclaim, a drain), or Ray's notice that this
+        worker's node is being preempted: checkpoint at the next step, then restart without it."""
+        if WORKER.requested.is_set():
+            return True
+        try:  # Ray Train's own drain notice, read locally (its public getter is a barrier)
+            from ray.train.v2._internal.execution.context import get_train_context
+
+            return get_train_context().preemption_context.preemption_info is not None
+        except Exception:
+            return False
+
     def emit(self, record: dict[str, Any]) -> None:
         """Progress to the driver; never worth stopping training over (the driver may be gone)."""
-        if self._queue is None:
+        if self._queue is None or (self.rank != 0 and record.get("kind") != "failure"):
             return
         try:
             self._queue.put_nowait(record)
@@ -125,6 +132,11 @@ class RaySession:
             if not self._emit_failed:
                 logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
             self._emit_failed = True
+
+
+def _already_stored(checkpoint, checkpoint_dir_name: str):
+    """Every rank wrote its shards into the run folder itself: nothing to upload."""
+    return checkpoint
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -143,19 +155,38 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
-    control = loop_config.get("control")
-    if control is not None:
-        import ray
-
-        earlier = ray.get(control.fatal.remote())
-        if earlier:  # an earlier attempt hit an error no restart fixes: fail now, with its message
-            raise RayllmError(earlier)
+    control = loop_config["control"]
     session = RaySession(config, loop_config["queue"], loop_config["plans"], control)
+    attempt = _begin_attempt(control, session.rank)
+    trainer = None
     try:
-        Trainer(config, session).fit()
-    except RayllmError as e:
-        if control is not None:
-            import ray
-
-            ray.get(control.set_fatal.remote(str(e)))
+        trainer = Trainer(config, session)
+        trainer.fit()
+    except RayllmError:
+        raise  # no restart fixes it; rayllm's failure policy ends the run with it
+    except BaseException as e:
+        step = trainer.step if trainer is not None else -1
+        signature = failure_signature(e)
+        repeated = ray.get(control.record_failure.remote(attempt, step, signature), timeout=30)
+        if repeated:
+            message = f"rank {session.rank} failed the same way at step {step} on a fresh attempt: {signature}"
+            session.emit({"kind": "failure", "step": step, "rank": session.rank, "message": message, "final": True})
+            raise RayllmError(f"{message}. No restart fixes a deterministic error; fix its cause") from e
+        session.emit(
+            {"kind": "failure", "step": step, "rank": session.rank, "node": session.node, "message": signature}
+        )
         raise
+
+
+def _begin_attempt(control, rank: int) -> int:
+    """This attempt's number, the same on every rank (rank 0 counts it before the others read it)."""
+    import ray
+    import torch.distributed as dist
+
+    if rank == 0:
+        attempt = ray.get(control.begin_attempt.remote(), timeout=60)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    if rank != 0:
+        attempt = ray.get(control.attempt.remote(), timeout=60)
+    return attempt

@@ -1,0 +1,151 @@
+"""The loop's checkpoints: written in the background, committed once every rank's part is stored.
+
+    save(step)  -> every rank starts writing its shards at the checkpoint's URI (async: the loop
+                   waits only for the copy to CPU memory, before the next optimizer step)
+    commit()    -> at the first step every rank's write is done (agreed in the loop's control
+                   all-reduce): rank 0's state, a barrier, the commit marker (store.py), the
+                   session's registration, then rank 0's housekeeping in a thread of its own
+
+One component for both sessions (Ray Train and torchrun); they differ only in ``register``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayllm import checkpoint
+from rayllm.config import TrainConfig
+from rayllm.trainer import faults
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """A checkpoint being written: what rank 0 adds beside the shards, and the write's futures."""
+
+    step: int
+    state: dict[str, Any]
+    metrics: dict[str, Any]
+    ids: np.ndarray | None
+    final: bool = False
+    copied: Any = None  # an async save's future: shards copied to CPU memory; None once waited for
+    written: Any = None  # ... shards written; None once written
+    stall_s: float = 0.0  # time the step loop spent on this checkpoint
+
+
+class Checkpointer:
+    """Checkpoints of one rank. ``group`` is a gloo group of the checkpointer's own: the async
+    writer's collectives run in a background thread and must not interleave with the loop's."""
+
+    def __init__(self, config: TrainConfig, session, device: torch.device, group=None):
+        self.config, self.session, self.device, self.group = config, session, device, group
+        self.store = checkpoint.CheckpointStore(config.run.dir, config.data.storage)
+        self.pending: PendingCheckpoint | None = None
+        self._writer: checkpoint.AsyncWriter | None = None
+        self.last_at = time.monotonic()
+        # Rank 0 copies milestones and prunes old checkpoints off the step loop: removing a
+        # checkpoint's files takes as long as a small model's step.
+        self._tidier = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayllm-tidy") if session.rank == 0 else None
+        )
+
+    # -- resume ----------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        return self.store.latest()
+
+    def restore(self, uri: str, model, optimizer) -> dict[str, Any]:
+        """Collective: model and optimizer from the complete checkpoint ``uri``; returns its state."""
+        checkpoint.require_complete(uri, self.config.data.storage)
+        checkpoint.load(uri, self.config.data.storage, model, optimizer)
+        return checkpoint.read_state(uri, self.config.data.storage)
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
+        """Collective: checkpoint this step. Async unless final or train.async_checkpoint is off."""
+        started = time.perf_counter()
+        if self.pending is not None:  # one write at a time: finish the previous one first
+            self.commit(self.pending)
+        uri = self.store.uri(ckpt.step)
+        storage = self.config.data.storage
+        if self.config.train.async_checkpoint and not ckpt.final:
+            if self._writer is None:
+                self._writer = checkpoint.AsyncWriter(self.device, self.group)
+            ckpt.copied, ckpt.written = self._writer.save(uri, storage, model, optimizer)
+            ckpt.stall_s = time.perf_counter() - started
+            self.pending = ckpt
+        else:
+            checkpoint.save(uri, storage, model, optimizer)
+            ckpt.stall_s = time.perf_counter() - started
+            self.commit(ckpt)
+
+    def wait_copied(self) -> None:
+        """Before the weights change: wait until a pending async save has copied them (its stall)."""
+        ckpt = self.pending
+        if ckpt is None or ckpt.copied is None:
+            return
+        started = time.perf_counter()
+        ckpt.copied.result()
+        ckpt.copied = None
+        ckpt.stall_s += time.perf_counter() - started
+
+    def writing(self) -> bool:
+        """Whether this rank's part of the pending checkpoint is still being written."""
+        return self.pending is not None and self.pending.written is not None and not self.pending.written.done()
+
+    def commit(self, ckpt: PendingCheckpoint) -> None:
+        """Collective: once every rank's part is stored, rank 0 marks the checkpoint complete."""
+        started = time.perf_counter()
+        rank, world = self.session.rank, self.session.world_size
+        self.wait_copied()
+        if ckpt.written is not None:
+            ckpt.written.result()
+            ckpt.written = None
+        if rank == 0:  # rank 0's part, stored before the others may be: only the marker makes it count
+            self.store.write_state(ckpt.step, ckpt.state, self.session.train_plan.sources[0].tokenizer_json)
+        faults.maybe_crash_before_commit(ckpt.step, rank, world)
+        if ckpt.ids is not None:
+            buffer = io.BytesIO()
+            np.save(buffer, ckpt.ids)
+            name = f"consumed-rank{rank:05d}.npy"
+            self.store.fs.pipe_file(posixpath.join(self.store.path(ckpt.step), name), buffer.getvalue())
+        if dist.is_initialized() and world > 1:
+            dist.barrier(group=self.group)  # every rank's part is stored
+        if rank == 0:
+            self.store.mark_complete(ckpt.step, world)
+        self.session.register(ckpt.step, ckpt.metrics, self.store.uri(ckpt.step))
+        ckpt.stall_s += time.perf_counter() - started
+        if self.pending is ckpt:
+            self.pending = None
+        self.last_at = time.monotonic()
+        if rank == 0:
+            self._tidier.submit(self._tidy, ckpt.step)
+            self.session.emit({"kind": "checkpoint", "step": ckpt.step, "stall_s": ckpt.stall_s, "final": ckpt.final})
+
+    def _tidy(self, step: int) -> None:
+        """Rank 0, in the background and in commit order: keep a milestone's copy, drop old checkpoints."""
+        t = self.config.train
+        try:
+            if checkpoint.is_milestone(step, t.keep_checkpoint_every):
+                self.session.emit({"kind": "kept", "step": step, "uri": self.store.keep_milestone(step)})
+            if self.session.prunes_checkpoints:
+                self.store.prune(t.keep_checkpoints, written_before=step)
+        except Exception as e:  # housekeeping must never stop training; the next commit tries again
+            self.session.emit({"kind": "warning", "step": step, "message": f"checkpoint housekeeping: {e}"})
+
+    def close(self) -> None:
+        """Commit what is pending and let housekeeping finish."""
+        if self.pending is not None:
+            self.commit(self.pending)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._tidier is not None:
+            self._tidier.shutdown(wait=True)

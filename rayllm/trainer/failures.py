@@ -1,0 +1,78 @@
+"""Which failures Ray Train retries: all but those rayllm marks as no restart can fix.
+
+Ray Train's default policy retries every worker error up to ``FailureConfig.max_failures``.
+A ``RayllmError`` (a bad shard, a config the world size cannot take, a failure that repeated
+at the same step on a fresh attempt, a run that diverged) ends the run at once instead.
+Ray Train 2.60 takes its policy only from its own factory inside ``fit``, so the trainer
+subclass below swaps it in where the controller is created: the one hook it offers.
+"""
+
+from __future__ import annotations
+
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.failure_handling import (
+    DefaultFailurePolicy,
+    FailureDecision,
+    FailurePolicy,
+)
+
+from rayllm.errors import RayllmError
+
+FATAL_MARKERS = ("rayllm.errors.DataError: ", "rayllm.errors.ConfigError: ", "rayllm.errors.RayllmError: ")
+
+
+def _errors_inside(error: BaseException):
+    """The error, the workers' errors inside a Ray Train failure, and their causes."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
+
+
+def failure_message(error: BaseException) -> str:
+    """The first user-facing rayllm error inside a Ray Train failure, or the error itself."""
+    for e in _errors_inside(error):
+        if isinstance(e, RayllmError):
+            return str(e)
+    text = str(error)
+    for marker in FATAL_MARKERS:
+        if marker in text:
+            return text.split(marker, 1)[1].splitlines()[0]
+    return text
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether a rayllm error (one no restart fixes) is inside a Ray Train failure."""
+    if any(isinstance(e, RayllmError) for e in _errors_inside(error)):
+        return True
+    text = str(error)
+    return any(marker in text for marker in FATAL_MARKERS)
+
+
+class RayllmFailurePolicy(FailurePolicy):
+    """Ray Train's default policy, except that a rayllm error ends the run at the first failure."""
+
+    def __init__(self, failure_config):
+        super().__init__(failure_config)
+        self._default = DefaultFailurePolicy(failure_config)
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        if is_fatal(training_failed_error):
+            return FailureDecision.RAISE
+        return self._default.make_decision(training_failed_error)
+
+
+class RayllmTorchTrainer(TorchTrainer):
+    """TorchTrainer with RayllmFailurePolicy."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["failure_policy"] = RayllmFailurePolicy(self.run_config.failure_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)

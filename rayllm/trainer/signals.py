@@ -1,0 +1,64 @@
+"""One SIGTERM/SIGINT handler for every process of a run: the driver, torchrun ranks, Ray workers.
+
+The first signal asks for a checkpoint at the next step (a spot reclaim, ``kubectl drain``,
+``ray job stop`` and Ctrl-C all send one); the process's own role decides what follows (the
+driver ends the run, a Ray worker's checkpoint is followed by the restart the run already
+does). A second signal ends the process at once.
+
+Handlers can be installed only in a process's main thread. Ray Train runs the training
+function in a thread of its own, so Ray workers install it at process start through Ray's
+``worker_process_setup_hook`` (``install_in_worker``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """The first SIGTERM/SIGINT sets ``requested`` (and calls ``on_first``); a second one exits."""
+
+    def __init__(self, on_first: Callable[[str], None] | None = None):
+        self.requested = threading.Event()
+        self.name: str | None = None
+        self._on_first = on_first
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested.is_set():
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            sys.exit(128 + signum)
+        self.name = signal.Signals(signum).name
+        self.requested.set()
+        if self._on_first is not None:
+            self._on_first(self.name)
+
+    def install(self) -> bool:
+        """Install in this process; False (nothing done) outside the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        return True
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+WORKER = StopSignals(
+    on_first=lambda name: print(
+        f"[rayllm] {name} on this worker: saving a checkpoint at the next step", file=sys.stderr, flush=True
+    )
+)
+
+
+def install_in_worker() -> None:
+    """Ray's worker_process_setup_hook: every Ray worker process of a run gets the handler."""
+    WORKER.install()

@@ -1,0 +1,142 @@
+"""Faults on the Ray path that used to hang, leak or retry for ever.
+
+One run reads its data from moto's S3 with marker credentials while its data stream server
+is killed mid-run: it finishes with every sequence exactly once, says what happened, and the
+marker is in no file of the run, no Ray log and no state-API output. A deterministic error with
+``cluster.max_failures: -1`` ends the run after two attempts with its message.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import TEST_MODEL
+from test_exactly_once import G, ids_of, write_small_corpus
+
+from rayllm import RayllmError, TrainConfig, train
+from rayllm.data.order import local_stream
+from rayllm.data.plan import prepare_data
+
+pytestmark = pytest.mark.slow
+KEY, SECRET = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e"
+
+
+def kill_stream_server_after(run_dir: str, step: int, killed: list) -> threading.Thread:
+    """SIGKILL the data stream server's process once the run has logged ``step``."""
+    from ray.util.state import list_actors
+
+    def watch():
+        deadline = time.time() + 300
+        log = os.path.join(run_dir, "metrics.jsonl")
+        while time.time() < deadline and not killed:
+            if os.path.exists(log) and any(f'"step": {step},' in line for line in open(log)):
+                servers = list_actors(filters=[("class_name", "=", "StreamServer"), ("state", "=", "ALIVE")])
+                if servers:
+                    os.kill(servers[0].pid, signal.SIGKILL)
+                    killed.append(servers[0].pid)
+                    return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("marked")
+    overrides = write_small_corpus(s3_server, "marked-run", KEY, SECRET)
+    base = [
+        *TEST_MODEL,
+        *overrides,
+        f"data.tokenizer={tokenizer_file}",
+        "data.demo_corpus=false",
+        "data.val=null",
+        "data.record_ids=true",
+        "data.shuffle_window=64",
+        f"run.dir={tmp_path / 'run'}",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1000",
+        "train.log_every=1",
+        "train.sample_tokens=0",
+        "cluster.num_workers=2",
+        "cluster.max_failures=2",
+    ]
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*base, "train.max_steps=24"])
+    plan = prepare_data(config, log=lambda *_: None).train
+    stream = np.concatenate([rows for _, (rows, _) in zip(range(24), local_stream(plan, global_batch=G), strict=False)])
+    expected = ids_of(stream[["source", "epoch", "shard", "index"]])
+    killed: list[int] = []
+    watcher = kill_stream_server_after(str(tmp_path / "run"), 3, killed)
+    result = train(config, quiet=True)
+    watcher.join(timeout=1)
+    return {"result": result, "expected": expected, "killed": killed, "run_dir": tmp_path / "run", "config": config}
+
+
+def test_a_killed_data_stream_server_costs_a_restart_not_the_run(marked_run):
+    result = marked_run["result"]
+    assert marked_run["killed"], "the stream server was not killed"
+    assert result.step == 24
+    failures = [r for r in result.history if r["kind"] == "failure"]
+    assert failures and "data stream server died" in failures[0]["message"], failures
+    starts = [r for r in result.history if r["kind"] == "start"]
+    assert len(starts) == 2 and starts[1]["step"] >= 2  # resumed from a checkpoint, not from 0
+    seen = []
+    for ckpt in sorted(glob.glob(str(marked_run["run_dir"] / "checkpoint_[0-9]*"))):
+        per_rank = [np.load(p) for p in sorted(glob.glob(f"{ckpt}/consumed-rank*.npy"))]
+        per_step = G // len(per_rank)
+        for step in range(len(per_rank[0]) // per_step):
+            for rows in per_rank:
+                seen.extend(ids_of(rows[step * per_step : (step + 1) * per_step]))
+    assert seen == marked_run["expected"]  # every sequence once, in the seed's order
+
+
+def test_credentials_reach_no_file_log_state_or_repr(marked_run):
+    import ray
+    from ray.util.state import list_actors, list_tasks
+
+    markers = (KEY.encode(), SECRET.encode())
+    places = [pathlib.Path(marked_run["run_dir"])]  # checkpoints, metrics.jsonl, config.yaml, the Aim repo
+    places.append(pathlib.Path(ray._private.worker._global_node.get_session_dir_path()) / "logs")
+    leaks = []
+    for place in places:
+        for path in place.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                leaks += [f"{path}: {m.decode()}" for m in markers if m in data]
+    assert not leaks, leaks
+    state = repr(list_actors(detail=True, limit=10000)) + repr(list_tasks(detail=True, limit=10000))
+    assert KEY not in state and SECRET not in state
+    config = marked_run["config"]
+    for shown in (repr(config), str(config.data), repr(config.data.storage), repr(prepare_data(config).train)):
+        assert KEY not in shown and SECRET not in shown
+
+
+def test_an_error_that_repeats_at_the_same_step_ends_the_run_after_two_attempts(ray_local, overrides, monkeypatch):
+    monkeypatch.setenv("RAYLLM_FAULT_RAISE_AT", "3")
+    config = TrainConfig.from_yaml(
+        "configs/tiny.yaml",
+        overrides=[
+            *overrides,
+            "data.val=null",
+            "train.max_steps=6",
+            "train.checkpoint_every=2",
+            "train.sample_tokens=0",
+            "tracking.enabled=false",
+            "cluster.num_workers=1",
+            "cluster.max_failures=-1",  # retried for ever, were it not deterministic
+        ],
+    )
+    with pytest.raises(RayllmError, match="failed the same way at step 2 on a fresh attempt") as caught:
+        train(config, quiet=True)
+    assert "injected deterministic failure in step 3" in str(caught.value)
+    with open(os.path.join(config.run.dir, "metrics.jsonl")) as f:
+        starts = [line for line in f if '"kind": "start"' in line]
+    assert len(starts) == 2
