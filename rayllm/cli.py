@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from rayllm.bench.speed_args import HELP as SPEED_HELP
+from rayllm.bench.speed_args import add_arguments as add_speed_arguments
 from rayllm.errors import RayllmError
 
 
@@ -49,16 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     bench_recovery.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config to train")
     bench_recovery.add_argument("overrides", nargs="*", help="dotted overrides, for example run.dir=/tmp/bench")
     bench_recovery.add_argument("--kill-after", type=int, default=12, help="kill a worker once this step is done")
-    bench_speed = bench_sub.add_parser(
-        "speed", help="rayllm's step against a bare PyTorch loop, MFU, tokens/s on 1 and 2 workers, peak memory"
-    )
-    bench_speed.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config whose model to time")
-    bench_speed.add_argument("overrides", nargs="*", help="dotted overrides, for example train.compile=true")
-    bench_speed.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each side")
-    bench_speed.add_argument("--steps", type=int, default=4, help="steps per round")
-    bench_speed.add_argument("--workers", default="1,2", help="worker counts to time on CPU ('' to skip)")
-    bench_speed.add_argument("--memory-steps", type=int, default=3, help="steps per memory variant (0 to skip)")
-    bench_speed.add_argument("--json", help="also write the figures to this JSON file")
+    add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
     bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
     bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -101,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("generate", "eval", "export"):
         return _use_model(args)
     from rayllm.config import TrainConfig
+    from rayllm.resolve import resolve
 
     try:
-        config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
+        # Resolved here, on the driver, so every command (and `rayllm config`'s printout) sees model.init_from's shape.
+        config = resolve(TrainConfig.from_yaml(args.config, overrides=args.overrides))
         if args.command == "config":
             print(config.to_yaml(), end="")
             return 0
@@ -127,13 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench_command == "speed":
             from rayllm.bench import speed as bench_speed
 
-            workers = [int(w) for w in args.workers.split(",") if w.strip()]
-            result = bench_speed.run(
-                config, rounds=args.rounds, steps=args.steps, workers=workers, memory_steps=args.memory_steps
-            )
-            print(bench_speed.format_result(result))
-            if args.json:
-                bench_speed.write_json(result, args.json)
+            bench_speed.report(config, args)
             return 0
         if args.command == "bench" and args.bench_command == "memory":
             from rayllm.bench import memory as bench_memory

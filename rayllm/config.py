@@ -8,19 +8,28 @@ any worker starts. The resolved tree is what a run records.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import yaml
 
 from rayllm import credentials
+from rayllm.config_checks import (
+    RANGES,
+    check_batch_split,
+    check_cluster,
+    check_data,
+    check_model,
+    check_names,
+    check_range,
+    check_ranges,
+    check_tracking,
+    check_train,
+    hf_shape_keys,
+)
+from rayllm.config_tree import build_config, read_yaml_mapping
 from rayllm.credentials import REDACTED, redact_url
-from rayllm.errors import ConfigError
 
 
 @dataclass
@@ -284,275 +293,22 @@ class TrainConfig:
         n = self.cluster.num_workers
         return (n, n) if isinstance(n, int) else (n[0], n[1])
 
-    def _shape_from_hf(self, folder: str) -> None:
-        """model.init_from: the model section (and, unless set, data.tokenizer) from the folder."""
-        from rayllm.errors import CheckpointError
-        from rayllm.hf import TOKENIZER_FILE, model_args_from_hf, read_config
-
-        try:
-            args = model_args_from_hf(read_config(folder), folder)
-        except CheckpointError as e:
-            raise ConfigError(f"model.init_from: {e}") from None
-        for f in dataclasses.fields(ModelSettings):
-            if f.name not in ("ffn_hidden", "ffn_multiple_of", "init_from"):  # every other key is ModelArgs'
-                setattr(self.model, f.name, getattr(args, f.name))
-        self.model.ffn_hidden = args.hidden_dim
-        if self.data.tokenizer is None and os.path.exists(os.path.join(folder, TOKENIZER_FILE)):
-            self.data.tokenizer = os.path.join(folder, TOKENIZER_FILE)
-
     def validate(self) -> None:
-        """Cross-field checks that types alone cannot express."""
-        m, t, c = self.model, self.train, self.cluster
-        if m.init_from:
-            self._shape_from_hf(m.init_from)
-        _positive(
-            self,
-            [
-                "data.seq_len",
-                "model.dim",
-                "model.n_layers",
-                "model.n_heads",
-                "model.n_kv_heads",
-                "model.vocab_size",
-                "train.global_batch_size",
-                "train.micro_batch_size",
-                "train.max_steps",
-                "train.log_every",
-                "train.val_every",
-                "train.checkpoint_every",
-                "train.keep_checkpoints",
-                "data.tokenize_tasks",
-                "data.shuffle_window",
-            ],
-        )
-        if t.keep_checkpoint_every is not None and t.keep_checkpoint_every <= 0:
-            raise ConfigError("train.keep_checkpoint_every must be a positive number of steps (or null)")
-        if t.checkpoint_every_s is not None and t.checkpoint_every_s <= 0:
-            raise ConfigError("train.checkpoint_every_s must be a positive number of seconds (or null for steps only)")
-        if c.resize_interval_s <= 0:
-            raise ConfigError("cluster.resize_interval_s must be a positive number of seconds")
-        if c.health_check_interval_s is not None and c.health_check_interval_s <= 0:
-            raise ConfigError("cluster.health_check_interval_s must be a positive number of seconds (or null)")
-        if self.tracking.flush_timeout_s < 0:
-            raise ConfigError("tracking.flush_timeout_s must be >= 0 seconds")
-        repo = self.tracking.repo or ""
-        if repo.startswith("aim://") and not re.fullmatch(r"aim://[^/:\s]+:\d+/?", repo):
-            raise ConfigError(
-                f"tracking.repo {redact_url(repo)!r} is not an Aim server address; write aim://HOST:PORT, "
-                "for example aim://127.0.0.1:53800 (the port `aim server` listens on)"
-            )
-        if m.dim % m.n_heads:
-            raise ConfigError(f"model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})")
-        if (m.dim // m.n_heads) % 2:
-            raise ConfigError("model.dim / model.n_heads must be even for rotary embeddings")
-        if m.n_heads % m.n_kv_heads:
-            raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
-        if t.lr <= 0:
-            raise ConfigError(f"train.lr must be > 0, got {t.lr}")
-        if self.data.on_bad_shard not in ("error", "skip"):
-            raise ConfigError(f"data.on_bad_shard must be error or skip; got {self.data.on_bad_shard!r}")
-        if isinstance(self.data.train, list) and any(isinstance(s, SourceSettings) for s in self.data.train):
-            for i, source in enumerate(self.data.train):
-                if not source.path:
-                    raise ConfigError(f"data.train[{i}].path is empty; give the source's path, glob or folder")
-                if source.weight <= 0:
-                    raise ConfigError(f"data.train[{i}].weight must be > 0, got {source.weight}")
-        if t.precision not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"train.precision must be one of auto, fp32, bf16; got {t.precision!r}")
-        if t.compile not in ("auto", True, False):
-            raise ConfigError(f"train.compile must be auto, true or false; got {t.compile!r}")
-        if t.cpu_offload and not c.use_gpu:
-            raise ConfigError(
-                "train.cpu_offload moves GPU state to CPU memory and needs cluster.use_gpu: true; "
-                "on CPU the model already lives in CPU memory (set train.cpu_offload: false)"
-            )
-        if isinstance(c.num_workers, list):
-            if len(c.num_workers) != 2 or not 1 <= c.num_workers[0] <= c.num_workers[1]:
-                raise ConfigError(
-                    f"cluster.num_workers as a list must be [min, max] with 1 <= min <= max, got {c.num_workers}"
-                )
-        elif c.num_workers < 1:
-            raise ConfigError(f"cluster.num_workers must be >= 1, got {c.num_workers}")
-        lo, hi = self.worker_range
-        for n in {lo, hi}:
-            check_batch_split(t.global_batch_size, t.micro_batch_size, n)
+        """Every key against its range, then the checks that span keys; reads no file but the YAML.
+
+        With ``model.init_from`` the model shape comes from the folder (rayllm.resolve, on the
+        driver), so the YAML's shape keys are not checked here: resolve checks the shape it sets.
+        """
+        check_ranges(self, [k for k in RANGES if not k.startswith("model.")])
+        check_names(self)
+        check_data(self.data)
+        check_model(self.model, shape=not self.model.init_from)
+        check_train(self.train, self.cluster)
+        check_cluster(self)
+        check_tracking(self.tracking)
 
 
-def read_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """A YAML config file's top-level mapping, or a ConfigError saying what is wrong with it."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"config file not found: {path!r}. Pass the path of a YAML file, for example configs/tiny.yaml."
-        )
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path!r} must hold a mapping of sections, not {type(raw).__name__}")
-    return raw
+# The model keys that model.init_from's config.json sets (rayllm.resolve); the others stay the YAML's.
+HF_SHAPE_KEYS = hf_shape_keys(ModelSettings)
 
-
-def build_config(cls: type, raw: dict[str, Any], overrides: list[str] | None = None) -> Any:
-    """Any dataclass config tree from a mapping plus dotted overrides, with the same key and type checks."""
-    raw = _deepcopy(raw)
-    for item in overrides or []:
-        _apply_override(raw, item, cls)
-    return _build(cls, raw, prefix="")
-
-
-def check_batch_split(global_batch: int, micro_batch: int, world_size: int) -> int:
-    """Gradient-accumulation steps that keep ``global_batch`` fixed on ``world_size`` ranks."""
-    per_step = micro_batch * world_size
-    if global_batch % per_step:
-        raise ConfigError(
-            f"train.global_batch_size ({global_batch}) must be divisible by train.micro_batch_size "
-            f"({micro_batch}) x workers ({world_size}); pick a global batch that is a multiple of {per_step} "
-            f"or a smaller micro batch"
-        )
-    return global_batch // per_step
-
-
-def _positive(config: TrainConfig, keys: list[str]) -> None:
-    for key in keys:
-        section, name = key.split(".")
-        value = getattr(getattr(config, section), name)
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-
-
-def _deepcopy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _deepcopy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deepcopy(v) for v in value]
-    return value
-
-
-def _apply_override(raw: dict[str, Any], item: str, root: type) -> None:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key=value, for example train.max_steps=50")
-    key, _, text = item.partition("=")
-    key = key.strip()
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        value = text
-    node: Any = raw
-    parts = key.split(".")
-    cls: Any = root
-    for i, part in enumerate(parts[:-1]):
-        hints = _fields(cls)
-        if part not in hints:
-            raise ConfigError(_unknown_key_message(".".join(parts[: i + 1]), part, hints))
-        cls = _dataclass_of(hints[part])
-        if cls is None:
-            raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section in the file")
-    node[parts[-1]] = value
-
-
-def _fields(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _dataclass_of(tp: Any) -> type | None:
-    return tp if dataclasses.is_dataclass(tp) else None
-
-
-def _unknown_key_message(full_key: str, name: str, valid: dict[str, Any]) -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    prefix = full_key.rsplit(".", 1)[0] + "." if "." in full_key else ""
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-    return f"unknown config key '{full_key}'{hint} Valid keys here: {', '.join(sorted(valid))}"
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {raw!r}")
-    hints = _fields(cls)
-    for key in raw:
-        if key not in hints:
-            raise ConfigError(_unknown_key_message(prefix + str(key), str(key), hints))
-    kwargs = {}
-    for name, tp in hints.items():
-        if name not in raw:
-            continue
-        full = prefix + name
-        sub = _dataclass_of(tp)
-        kwargs[name] = _build(sub, raw[name], full + ".") if sub else _coerce(raw[name], tp, full)
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Return ``value`` as type ``tp`` or raise a ConfigError naming ``key``."""
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
-            return None
-        if isinstance(value, list) and any(isinstance(v, dict) for v in value):
-            for option in options:
-                if typing.get_origin(option) is list and _dataclass_of(typing.get_args(option)[0]):
-                    return _coerce(value, option, key)
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-    if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    sub = _dataclass_of(tp)
-    if sub is not None:
-        return _build(sub, value, key + ".")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(t) for t in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
-        return f"a mapping of {_type_name(key_tp)} to {_type_name(value_tp)}"
-    if tp is type(None):
-        return "null"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+__all__ = ["RANGES", "build_config", "check_batch_split", "check_range", "read_yaml_mapping"]

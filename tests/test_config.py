@@ -1,10 +1,16 @@
 """Config: typed tree, dotted overrides, errors that name the key and the nearest valid one."""
 
+import dataclasses
+import json
 import re
+import types
+import typing
 
 import pytest
 
 from rayllm import ConfigError, TrainConfig
+from rayllm.config import RANGES
+from rayllm.errors import DataError
 
 
 def test_tiny_config_loads_with_overrides():
@@ -114,7 +120,7 @@ def test_a_cluster_whose_workers_would_take_every_cpu_is_named_before_training_h
     "override,expected",
     [
         ("tracking.repo=aim://127.0.0.1", "write aim://HOST:PORT"),
-        ("cluster.health_check_interval_s=0", "cluster.health_check_interval_s must be a positive"),
+        ("cluster.health_check_interval_s=0", "cluster.health_check_interval_s must be > 0 or null, got 0.0"),
         ("tracking.flush_timeout_s=-1", "tracking.flush_timeout_s must be >= 0"),
     ],
 )
@@ -133,3 +139,230 @@ def test_compile_is_auto_or_a_boolean():
     assert TrainConfig.from_dict({}, overrides=["train.compile=true"]).train.compile is True
     with pytest.raises(ConfigError, match=r"train.compile must be auto, true or false; got 'sometimes'"):
         TrainConfig.from_dict({}, overrides=["train.compile=sometimes"])
+
+
+def _leaves(cls: type, prefix: str = "") -> dict[str, typing.Any]:
+    """Every key of a config dataclass tree with its type, sections walked into."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(_leaves(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = hints[f.name]
+    return out
+
+
+def _scalars(tp: typing.Any) -> tuple:
+    """The plain types a key takes: ``float | None`` gives (float, None); lists and mappings none."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return () if typing.get_origin(tp) else (tp,)
+
+
+def test_every_number_in_the_tree_has_a_decided_range():
+    # cluster.num_workers (an int or [min, max]) and cluster.worker_resources (a mapping) have their own checks.
+    numbers = {k for k, tp in _leaves(TrainConfig).items() if {int, float} & set(_scalars(tp))}
+    numbers.discard("cluster.num_workers")
+    assert numbers == set(RANGES), "a numeric key without a range in rayllm.config.RANGES, or a stale entry"
+
+
+FLOAT_KEYS = sorted(k for k, tp in _leaves(TrainConfig).items() if float in _scalars(tp))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_no_float_key_takes_nan_or_infinity(key, value):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be a finite number .*, got {value}; "):
+        TrainConfig.from_dict({}, overrides=[f"{key}={value}"])
+
+
+def test_range_messages_are_one_line_naming_key_value_range_and_fix():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({}, overrides=["train.min_lr_ratio=1.5"])
+    assert str(e.value) == (
+        "train.min_lr_ratio must be in [0, 1], got 1.5; set the final learning rate as a fraction of train.lr, "
+        "for example 0.1"
+    )
+    for override in (
+        "train.grad_clip=0",
+        "train.warmup_steps=0",
+        "train.max_nonfinite_steps=null",
+        "cluster.max_failures=-1",
+    ):
+        TrainConfig.from_dict({}, overrides=[override])  # the edges of their ranges: off, or without limit
+
+
+# -- resolve: model.init_from is read on the driver, never in validation ---------------------------
+def hf_folder(path, max_positions: int = 128, **changes) -> str:
+    """A transformers-style Llama folder holding only its config.json (and a stand-in tokenizer.json)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,
+        **changes,
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def test_validation_reads_no_model_folder(tmp_path):
+    config = TrainConfig.from_dict({}, overrides=[f"model.init_from={tmp_path / 'nowhere'}", "model.dim=999"])
+    assert config.model.dim == 999  # the YAML's, until rayllm.resolve reads the folder
+
+
+def test_resolve_takes_the_shape_and_tokenizer_from_the_folder(tmp_path):
+    from rayllm.resolve import resolve
+
+    folder = hf_folder(tmp_path / "hf")
+    config = TrainConfig.from_dict({}, overrides=[f"model.init_from={folder}", "model.dim=999", "data.seq_len=128"])
+    assert resolve(config) is config
+    m = config.model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab_size, m.ffn_hidden) == (64, 2, 4, 2, 1024, 192)
+    assert (m.norm_eps, m.rope_theta, m.tie_embeddings) == (1e-6, 500000.0, True)
+    assert config.data.tokenizer == f"{folder}/tokenizer.json"
+    # Workers get this tree: it rebuilds without the folder and without reading it again.
+    (tmp_path / "hf" / "config.json").unlink()
+    assert TrainConfig.from_dict(config.to_dict()) == config
+
+
+def test_resolve_refuses_a_sequence_longer_than_the_folders_context(tmp_path):
+    from rayllm.resolve import resolve
+
+    folder = hf_folder(tmp_path / "hf", max_positions=128)
+    config = TrainConfig.from_dict({}, overrides=[f"model.init_from={folder}", "data.seq_len=256"])
+    with pytest.raises(ConfigError) as e:
+        resolve(config)
+    message = str(e.value)
+    assert "\n" not in message and "data.seq_len 256" in message and "128" in message
+    assert "set data.seq_len to at most 128" in message
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model.init_from: .*not a Llama"),
+        ({"rms_norm_eps": 0}, "model.init_from: the shape .* is refused: model.norm_eps must be > 0"),
+        ({"num_attention_heads": None}, "model.init_from: .*config.json lacks or mistypes"),
+    ],
+)
+def test_resolve_names_a_folder_it_cannot_use(tmp_path, changes, expected):
+    from rayllm.resolve import resolve
+
+    config = TrainConfig.from_dict({}, overrides=[f"model.init_from={hf_folder(tmp_path / 'hf', **changes)}"])
+    with pytest.raises(ConfigError, match=expected):
+        resolve(config)
+    with pytest.raises(ConfigError, match="model.init_from: .*does not exist"):
+        resolve(TrainConfig.from_dict({}, overrides=[f"model.init_from={tmp_path / 'nowhere'}"]))
+
+
+def test_rayllm_config_prints_the_resolved_tree(tmp_path, capsys):
+    import yaml
+
+    from rayllm.cli import main
+
+    folder = hf_folder(tmp_path / "hf")
+    assert main(["config", "configs/tiny.yaml", f"model.init_from={folder}", "data.seq_len=64"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["dim"] == 64 and printed["data"]["tokenizer"] == f"{folder}/tokenizer.json"
+
+
+# -- a validation set smaller than one global batch ------------------------------------------------
+def test_a_validation_set_smaller_than_one_global_batch_is_refused_before_workers(overrides, tmp_path):
+    from rayllm.data.plan import prepare_data
+
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "tiny.jsonl").write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 12}) + "\n")
+    config = TrainConfig.from_dict({}, overrides=[*overrides, f"data.val={tmp_path / 'val'}"])
+    with pytest.raises(DataError) as e:
+        prepare_data(config, log=lambda *_: None)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("data.val holds ")
+    assert "train.global_batch_size = 8" in message and "data.val=null" in message
+    held = int(message.split()[2])
+    assert 0 < held < 8
+    # One global batch is enough: the same set passes with a batch it fills.
+    small = TrainConfig.from_dict(
+        {},
+        overrides=[
+            *overrides,
+            f"data.val={tmp_path / 'val'}",
+            f"train.global_batch_size={held}",
+            "cluster.num_workers=1",
+            "train.micro_batch_size=1",
+        ],
+    )
+    assert prepare_data(small, log=lambda *_: None).val is not None
+
+
+# -- no import circles -------------------------------------------------------------------------------
+def _rayllm_imports() -> dict[str, tuple[set[str], set[str]]]:
+    """Each rayllm module's rayllm imports: (at module level, anywhere including inside functions)."""
+    import ast
+    import pathlib
+
+    import rayllm
+
+    root = pathlib.Path(rayllm.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        parts = ("rayllm", *path.relative_to(root).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        top, anywhere = set(), set()
+        tree = ast.parse(path.read_text())
+        functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        inner = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+        typing_only = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+        never_run = {id(n) for block in typing_only for n in ast.walk(block)}  # annotations only
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rayllm"):
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t if t in names else node.module for t in targets]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("rayllm")]
+            else:
+                continue
+            if id(node) in never_run:
+                continue
+            found = {t for t in targets if t in names and t != name}
+            anywhere |= found
+            if id(node) not in inner:
+                top |= found
+        graph[name] = (top, anywhere)
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        here = todo.pop()
+        if here == goal and seen:
+            return True
+        if here not in seen:
+            seen.add(here)
+            todo.extend(graph.get(here, ()))
+    return False
+
+
+def test_no_module_imports_itself_back():
+    graph = _rayllm_imports()
+    top = {name: edges[0] for name, edges in graph.items()}
+    circles = sorted(name for name in top if _reaches(top, name, name))
+    assert not circles, f"module-level import circles through {circles}"
+    anywhere = {name: edges[1] for name, edges in graph.items()}
+    for name in ("rayllm.config", "rayllm.bench.speed"):  # once circles through function-level imports
+        assert not _reaches(anywhere, name, name), name
+    assert "rayllm.hf" not in anywhere["rayllm.config"] and "rayllm.cli" not in anywhere["rayllm.bench.speed"]

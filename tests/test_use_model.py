@@ -20,6 +20,7 @@ import rayllm.hf
 from rayllm import CheckpointError, ConfigError, TrainConfig
 from rayllm.model.generate import Sampling, generate
 from rayllm.model.sampling import greedy_continuations
+from rayllm.resolve import resolve
 
 transformers = pytest.importorskip("transformers")  # a test extra, never a runtime dependency
 
@@ -203,7 +204,7 @@ def test_training_continues_from_an_imported_folder(model, exported, corpus, tmp
         "train.sample_tokens=0",
         "tracking.enabled=false",
     ]
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=overrides)
+    config = resolve(TrainConfig.from_yaml("configs/tiny.yaml", overrides=overrides))
     assert config.model.dim == 64 and config.data.tokenizer == str(exported / "tokenizer.json")
     proc = torchrun(2, overrides)  # two FSDP ranks: the folder's weights are sharded as they load
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -217,7 +218,7 @@ def test_bad_paths_other_shapes_and_non_llama_folders_are_named(trained, tmp_pat
     with pytest.raises(CheckpointError, match="does not exist"):
         rayllm.load(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+    with pytest.raises(CheckpointError, match="neither a complete checkpoint"):
         rayllm.load(str(tmp_path / "empty"))
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
@@ -225,7 +226,7 @@ def test_bad_paths_other_shapes_and_non_llama_folders_are_named(trained, tmp_pat
     with pytest.raises(CheckpointError, match="not a Llama"):
         rayllm.load(str(gpt2))
     with pytest.raises(ConfigError, match="model.init_from: .*not a Llama"):
-        TrainConfig.from_yaml("configs/tiny.yaml", overrides=[f"model.init_from={gpt2}"])
+        resolve(TrainConfig.from_yaml("configs/tiny.yaml", overrides=[f"model.init_from={gpt2}"]))
     proc = cli("generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "x")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "does not exist" in proc.stderr.strip().splitlines()[-1]

@@ -22,6 +22,7 @@ machine that has only PyTorch: ``python -m rayllm.bench.speed CONFIG [key=value 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -38,9 +39,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from rayllm.bench.speed_args import HELP, add_arguments
 from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 from rayllm.data.source import RECORD_DTYPE_FIELDS
+from rayllm.errors import RayllmError
 from rayllm.hardware import (
     keep_freed_memory,
     matmul_peak_flops,
@@ -50,6 +53,7 @@ from rayllm.hardware import (
 )
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel import compute_dtype, should_compile
+from rayllm.resolve import resolve
 
 MEMORY_VARIANTS = {
     "plain": [],
@@ -365,12 +369,26 @@ def write_json(result: dict[str, Any], path: str) -> None:
         json.dump(result, f, indent=2, default=str)
 
 
+def report(config: TrainConfig, args: argparse.Namespace) -> None:
+    """Run as the command line asks, print the figures and write them as JSON when asked."""
+    workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    result = run(config, rounds=args.rounds, steps=args.steps, workers=workers, memory_steps=args.memory_steps)
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m rayllm.bench.speed ...``: the same as ``rayllm bench speed ...``, for machines
     where rayllm is on the path but not installed (no console script)."""
-    from rayllm.cli import main as cli_main
-
-    return cli_main(["bench", "speed", *(sys.argv[1:] if argv is None else argv)])
+    parser = add_arguments(argparse.ArgumentParser(prog="python -m rayllm.bench.speed", description=HELP))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        report(resolve(TrainConfig.from_yaml(args.config, overrides=args.overrides)), args)
+    except RayllmError as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

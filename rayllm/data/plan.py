@@ -12,13 +12,16 @@ import math
 import posixpath
 from dataclasses import dataclass
 
+import numpy as np
+
 from rayllm.config import SourceSettings, StorageSettings, TrainConfig
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.order import StreamPlan
 from rayllm.data.shards import iter_documents, iter_token_documents
-from rayllm.data.source import SourcePlan
+from rayllm.data.source import SourcePlan, local_chunks
 from rayllm.errors import DataError
+from rayllm.resolve import resolve
 from rayllm.storage import expand_shards, filesystem, join, read_text, write_text
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -78,6 +81,8 @@ def _pretokenized(shards: list[str], storage) -> bool:
 
 
 def prepare_data(config: TrainConfig, log=print) -> DataPlans:
+    """Resolve the config (in place) and plan its data streams, on the driver, before any worker starts."""
+    resolve(config)
     d, storage = config.data, config.data.storage
     _ensure_demo(config, log)
     sources = _sources(config)
@@ -149,7 +154,25 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
             on_bad_shard=d.on_bad_shard,
         )
         val = StreamPlan(sources=[val_source], window=d.shuffle_window, seed=0)
+        _check_val_size(val_source, config.train.global_batch_size)
     return DataPlans(train=train, val=val, tokenizer_uri=tokenizer_uri, vocab_size=vocab)
+
+
+def _check_val_size(source: SourcePlan, global_batch: int) -> None:
+    """Validation reads whole global batches: a set smaller than one gives no val loss, so refuse it here.
+
+    Packs the set in-process (validation sets are small) and stops as soon as one global batch is there.
+    """
+    have = 0
+    for chunk in local_chunks(source, None):
+        have += int((np.asarray(chunk["index"]) >= 0).sum())  # index -1: a skipped shard's marker
+        if have >= global_batch:
+            return
+    raise DataError(
+        f"data.val holds {have} sequence(s) of data.seq_len + 1 = {source.seq_len + 1} tokens, fewer than one "
+        f"global batch (train.global_batch_size = {global_batch}), so it would give no validation loss; add "
+        "validation data, lower train.global_batch_size, or set data.val=null"
+    )
 
 
 def _ensure_demo(config: TrainConfig, log) -> None:
