@@ -102,3 +102,25 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes_from_it(base, tmp
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     starts = [r for r in records(run_dir) if r["kind"] == "start"]
     assert starts[-1]["step"] == step
+
+
+def test_a_nan_loss_stops_the_run_and_the_latest_checkpoint_is_the_last_finite_one(base, tmp_path):
+    run_dir = tmp_path / "diverged"
+    env = {**os.environ, "RAYLLM_FAULT_NAN_FROM": "5"}  # steps 5, 6, 7 are NaN; checkpoints every 2 steps
+    proc = subprocess.run(
+        torchrun_cmd(2, [*base, f"run.dir={run_dir}", "train.max_steps=12"]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "rayllm: error: the loss or gradient norm was NaN or infinite at 3 steps in a row, up to step 7" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
+    complete = sorted(p.name for p in run_dir.glob("checkpoint_*") if (p / COMMIT_FILE).exists())
+    assert complete[-1] == "checkpoint_00000004"  # not 6: its step was skipped, not trained
+    model = rayllm.load(str(run_dir), device="cpu").model
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    skipped = [r["step"] for r in records(run_dir) if r["kind"] == "nonfinite"]
+    assert skipped == [5, 6, 7]
