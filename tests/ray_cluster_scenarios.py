@@ -124,6 +124,24 @@ def scenario_kill(overrides, root):
     return summary(run_dir, box, killed=killed_at is not None)
 
 
+def scenario_sigterm(overrides, root):
+    """SIGTERM to one training worker's process (not the driver) after step 9: what a spot reclaim
+    or a drain does to that node's processes."""
+    from ray.util.state import list_actors
+
+    run_dir = f"{root}/sigterm"
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+    thread, box = run_in_thread(config)
+    signalled = False
+    if wait_for(lambda: trained_past(run_dir, 9)):
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        os.kill(workers[-1].pid, signal.SIGTERM)
+        signalled = True
+    thread.join()
+    preempted = [r for r in records(run_dir) if r["kind"] == "preempted"]
+    return summary(run_dir, box, signalled=signalled, preempted=preempted)
+
+
 def scenario_crash_in_checkpoint(overrides, root):
     """The last rank dies after writing its shards of checkpoint 8, before the commit."""
     run_dir = f"{root}/crash"

@@ -39,7 +39,7 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
         "overrides": overrides,
         "root": str(root),
         "dashboard_port": free_port(),
-        "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic"],
+        "scenarios": ["reference", "kill", "sigterm", "crash_in_checkpoint", "elastic"],
     }
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
@@ -72,6 +72,18 @@ def test_killed_worker_the_run_restarts_and_matches_an_uninterrupted_run(scenari
     check_completed(run)
     assert run["killed"]
     assert len(run["starts"]) == 2 and run["starts"][1]["step"] > 0  # restarted from a checkpoint, not from 0
+    assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
+
+
+def test_sigterm_to_one_worker_checkpoints_at_the_next_step_and_the_run_goes_on(scenarios):
+    ref, run = scenarios["reference"], scenarios["sigterm"]
+    check_completed(run)
+    assert run["signalled"]
+    assert len(run["preempted"]) == 1, run["preempted"]
+    step = run["preempted"][0]["step"]
+    assert [s["step"] for s in run["starts"]] == [0, step]  # resumed at the very step it checkpointed: nothing lost
+    steps = [r["step"] for r in run["train"]]
+    assert sorted(steps) == list(range(1, STEPS + 1))  # every step trained once: nothing repeated
     assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
 
 

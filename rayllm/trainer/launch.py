@@ -102,6 +102,18 @@ def _controller_env(config: TrainConfig):
 WORKER_SETUP_HOOK = "rayllm.trainer.signals.install_in_worker"
 
 
+def _signal_hook_env() -> dict[str, str]:
+    """Every training worker process gets rayllm's SIGTERM handler (a preempted node checkpoints).
+
+    Ray runs a ``worker_process_setup_hook`` in a worker's main thread before any task, but turns
+    the runtime-env field into the variable its worker reads only for a job's runtime env, not
+    for an actor's (Ray 2.60, ray/_private/runtime_env/setup_hook.py); so the variable is set here.
+    """
+    from ray._private import ray_constants
+
+    return {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WORKER_SETUP_HOOK}
+
+
 def _stop_requested(name: str, control) -> None:
     """The driver's first SIGTERM/SIGINT: every rank checkpoints at the next step, then the run ends."""
     print(f"[rayllm] {name}: saving a checkpoint at the next step, then stopping", flush=True)
@@ -167,8 +179,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=config.train.keep_checkpoints),
             # Progress reaches the driver through the monitor; Ray Train's per-report lines are noise.
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
-            # Every worker process gets rayllm's SIGTERM handler (a preempted node checkpoints).
-            worker_runtime_env={"env_vars": _thread_env(config), "worker_process_setup_hook": WORKER_SETUP_HOOK},
+            worker_runtime_env={"env_vars": {**_thread_env(config), **_signal_hook_env()}},
         ),
     )
     stop = threading.Event()

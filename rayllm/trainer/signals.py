@@ -52,13 +52,21 @@ class StopSignals:
         self._previous = {}
 
 
-WORKER = StopSignals(
-    on_first=lambda name: print(
-        f"[rayllm] {name} on this worker: saving a checkpoint at the next step", file=sys.stderr, flush=True
-    )
-)
+WORKER = StopSignals()  # a Ray training worker's: the loop reads it at every step
 
 
 def install_in_worker() -> None:
-    """Ray's worker_process_setup_hook: every Ray worker process of a run gets the handler."""
+    """Ray's worker_process_setup_hook: every training worker process of a run gets the handler.
+
+    Ray's worker main loop installs its own SIGTERM handler (exit at once) right after this
+    hook has run, through ``ray._private.utils.set_sigterm_handler``; in this process that
+    call is made to keep rayllm's handler, since Ray offers no setting for it. A second
+    SIGTERM still exits, and Ray's own SIGKILL escalation is untouched.
+    """
     WORKER.install()
+    import ray._private.utils as ray_utils
+
+    def keep_rayllm_handler(handler) -> None:
+        return None
+
+    ray_utils.set_sigterm_handler = keep_rayllm_handler
