@@ -76,9 +76,9 @@ def score_shard(pretrained: Pretrained, uri: str, seq_len: int, text_field: str,
 class ShardScorer:
     """Ray Data actor: loads the model once, then scores the shards it is handed."""
 
-    def __init__(self, checkpoint: str, seq_len: int | None, text_field: str, storage: dict, threads: int):
+    def __init__(self, checkpoint: str, seq_len: int | None, text_field: str, storage: StorageSettings, threads: int):
         torch.set_num_threads(threads)
-        self.storage = StorageSettings(**storage)
+        self.storage = storage
         self.pretrained = load_checkpoint(checkpoint, storage=self.storage, device="auto")
         self.seq_len = seq_len or self.pretrained.args.max_seq_len
         self.text_field = text_field
@@ -111,7 +111,6 @@ def evaluate(
     use_gpu: bool = False,
 ) -> EvalResult:
     """Perplexity of ``checkpoint`` over the shards ``data`` names, on up to ``workers`` Ray actors."""
-    import dataclasses
 
     import ray
 
@@ -135,7 +134,7 @@ def evaluate(
                 "checkpoint": checkpoint,
                 "seq_len": seq_len,
                 "text_field": text_field,
-                "storage": dataclasses.asdict(storage),
+                "storage": storage.sealed(),  # credentials travel only as a Ray object
                 "threads": max(1, int(cpus_per_worker)),
             },
             batch_size=1,

@@ -171,7 +171,8 @@ def test_shard_deleted_after_listing_on_s3_through_ray_data(
         f"data.tokenizer={tokenizer_file}",
         f"data.on_bad_shard={mode}",
     )
-    plan = prepare_data(cfg, log=lambda *_: None).train
+    # Ray Data tasks get sealed settings: the credentials travel as a Ray object (rayllm.credentials).
+    plan = prepare_data(cfg, log=lambda *_: None).with_storage(cfg.data.storage.sealed()).train
     gone = plan.sources[0].shards[1]
     s3.delete_object(Bucket=bucket, Key=gone.removeprefix(f"s3://{bucket}/"))
     configure_ray_data()

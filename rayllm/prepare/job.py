@@ -319,11 +319,12 @@ def _deduplicate(kept, documents: int, tokens: int, config: PrepareConfig, remov
     return kept, documents, tokens
 
 
-def _write(ds, uri: str, config: PrepareConfig) -> list[str]:
-    """Write ``ds`` as parquet files under ``uri`` (replacing what was there); the file names."""
+def _write(ds, uri: str, config: PrepareConfig, sealed: StorageSettings) -> list[str]:
+    """Write ``ds`` as parquet files under ``uri`` (replacing what was there); the file names.
+    ``sealed``: the storage settings the write tasks get (credentials only as a Ray object)."""
     import ray.data
 
-    fs, path = pyarrow_filesystem(uri, config.storage)
+    fs, path = pyarrow_filesystem(uri, sealed)
     if config.output.num_shards:
         ds = ds.repartition(config.output.num_shards)
     rows = config.shard_rows
@@ -371,9 +372,11 @@ def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
     import ray.data
     from ray.data.expressions import col
 
+    sealed = config.storage.sealed()  # what Ray tasks get: the credentials stay in the object store
+
     plan = LabelPlan(
         text_field=config.input.text_field,
-        storage=config.storage,
+        storage=sealed,
         normalize=config.normalize,
         thresholds=config.filters.thresholds(),
         tokenizer_json=tokenizer_json,
@@ -408,13 +411,13 @@ def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
         kept, documents, tokens = _deduplicate(kept, kept_now["documents"], kept_now["tokens"], config, removed, log)
         final = kept.select_columns(["id", "text"]).sort("id").materialize()
         log(f"writing {documents} documents to {config.output.path}")
-        files = _write(final, config.output.path, config)
+        files = _write(final, config.output.path, config, sealed)
         token_files = None
         if tokenizer_json is not None:
             tokenized = final.map_batches(
                 _token_batch, fn_kwargs={"tokenizer_json": tokenizer_json}, batch_format="pyarrow"
             )
-            token_files = _write(tokenized, config.tokens_output, config)
+            token_files = _write(tokenized, config.tokens_output, config, sealed)
             # The trainer finds the tokenizer that made the ids here (data.tokenizer not needed).
             write_text(join(config.tokens_output, SHARD_TOKENIZER_FILE), tokenizer_json, config.storage)
     report = {
