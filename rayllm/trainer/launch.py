@@ -19,7 +19,7 @@ import yaml
 from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
-from rayllm.ray_runtime import connect_ray, no_room_for_data, wait_for_room  # noqa: F401  (older imports)
+from rayllm.ray_runtime import connect_ray, wait_for_room
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.trainer import faults
 from rayllm.trainer.control import RunControl
