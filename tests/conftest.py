@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +60,71 @@ def torchrun_cmd(nproc: int, overrides: list[str], config: str = "configs/tiny.y
     ]
 
 
+def hf_folder(path, max_positions: int = 128, **changes) -> str:
+    """A transformers-style Llama folder holding only its config.json (and a stand-in tokenizer.json)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": True,
+        **changes,
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def cli_train_cmd(corpus, tokenizer_file, run_dir, *extra: str) -> list[str]:
+    """``rayllm train`` as a subprocess on the small test model and corpus, with ``extra`` overrides."""
+    return [
+        sys.executable,
+        "-m",
+        "rayllm.cli",
+        "train",
+        "configs/tiny.yaml",
+        *TEST_MODEL,
+        f"data.train={corpus / 'train'}",
+        "data.val=null",
+        f"data.tokenizer={tokenizer_file}",
+        "data.demo_corpus=false",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
+
+
+def kill_actor_after(run_dir, step: int, class_name: str, killed: list) -> threading.Thread:
+    """SIGKILL the process of an alive Ray actor of ``class_name`` once the run has logged ``step``."""
+    from ray.util.state import list_actors
+
+    def watch():
+        deadline = time.time() + 300
+        log = os.path.join(run_dir, "metrics.jsonl")
+        while time.time() < deadline and not killed:
+            if os.path.exists(log):
+                with open(log) as f:
+                    records = [json.loads(line) for line in f if line.strip()]
+                if any(r.get("kind") == "train" and r["step"] >= step for r in records):
+                    actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+                    if actors:
+                        os.kill(actors[0].pid, signal.SIGKILL)
+                        killed.append(actors[0].pid)
+                        return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def s3_client(endpoint: str, key: str = "testing", secret: str = "testing"):
     """A boto3 S3 client for the moto server (which takes any credentials unless IAM is on)."""
     import boto3
@@ -86,6 +154,26 @@ def ray_head_command(temp_dir, gcs_address: str, dashboard_port: int, *extra: st
         "--disable-usage-stats",
         *extra,
     ]
+
+
+@contextlib.contextmanager
+def ray_head(temp_dir, *extra: str, env: dict[str, str] | None = None, port: int | None = None):
+    """A `ray start --head` of its own (``ray_head_command``), without auth; yields (gcs address, env)."""
+    gcs = f"127.0.0.1:{port or free_port()}"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))},
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        **(env or {}),
+    }
+    started = subprocess.run(
+        ray_head_command(temp_dir, gcs, free_port(), *extra), env=env, capture_output=True, text=True, timeout=180
+    )
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield gcs, env
+    finally:
+        kill_ray_head(temp_dir, gcs)
 
 
 def kill_ray_head(temp_dir, gcs_address: str) -> None:

@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, free_port, kill_ray_head, ray_head_command
+from conftest import cli_train_cmd, free_port, ray_head
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -68,23 +67,12 @@ def autoscaling_head(tmp_path_factory):
     """The head, with its autoscaler, in a temp dir of its own; stopped by the pids under it
     (`ray stop` would end every Ray on the machine)."""
     temp_dir = tmp_path_factory.mktemp("as")  # short: Ray's socket paths under it must stay < 108 bytes
-    gcs = f"127.0.0.1:{free_port()}"
+    gcs_port = free_port()
     config = temp_dir / "cluster.json"
-    config.write_text(json.dumps(_fake_cluster_config(gcs)))
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))},
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_FAKE_CLUSTER": "1",
-        "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    cmd = ray_head_command(temp_dir, gcs, free_port(), f"--autoscaling-config={config}", "--num-cpus=0")
-    started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        yield gcs, env
-    finally:
-        kill_ray_head(temp_dir, gcs)
+    config.write_text(json.dumps(_fake_cluster_config(f"127.0.0.1:{gcs_port}")))
+    fake = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+    with ray_head(temp_dir, f"--autoscaling-config={config}", "--num-cpus=0", env=fake, port=gcs_port) as head:
+        yield head
 
 
 def _alive_worker_nodes(gcs: str, env: dict) -> int:
@@ -105,18 +93,10 @@ def test_the_autoscaler_adds_nodes_and_training_grows_to_two_workers(
 ):
     gcs, env = autoscaling_head
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "rayllm.cli",
-        "train",
-        "configs/tiny.yaml",
-        *TEST_MODEL,
-        f"data.train={corpus / 'train'}",
-        "data.val=null",
-        f"data.tokenizer={tokenizer_file}",
-        "data.demo_corpus=false",
-        f"run.dir={run_dir}",
+    cmd = cli_train_cmd(
+        corpus,
+        tokenizer_file,
+        run_dir,
         "train.max_steps=60",
         "train.log_every=1",
         "train.checkpoint_every=5",
@@ -127,12 +107,25 @@ def test_the_autoscaler_adds_nodes_and_training_grows_to_two_workers(
         "cluster.resize_interval_s=2",
         "cluster.health_check_interval_s=0.5",
         "-q",
-    ]
+    )
     assert _alive_worker_nodes(gcs, env) == 0  # the cluster starts with no worker nodes
     started = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The run waits before step 50 until it has grown to 2 workers, so a fast machine cannot end
+    # it before the second node is up (CI saw it end at 1 worker).
+    hold = tmp_path / "hold"
+    hold.touch()
+    env = {**env, "RAYLLM_FAULT_PAUSE_AT": f"50:{hold}"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and '"kind": "start", "step"' in (text := log.read_text()) and '"world_size": 2' in text:
+            break
+        time.sleep(0.5)
+    hold.unlink()
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:] + err[-5000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
     sizes = [r["world_size"] for r in records if r["kind"] == "start"]
     assert sizes[-1] == 2, sizes  # training grew to (or started at) 2 workers as nodes came up
     train = [r for r in records if r["kind"] == "train"]

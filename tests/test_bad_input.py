@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from conftest import hf_folder
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -169,24 +170,6 @@ def test_an_out_of_range_value_is_refused_in_seconds_by_a_real_process(override,
     assert_one_error_line(proc, key)
     assert time.perf_counter() - started < 60
     assert not (tmp_path / "run").exists()
-
-
-def hf_folder(path, max_positions: int) -> str:
-    """A transformers-style Llama folder holding only its config.json."""
-    path.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 192,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 1024,
-        "max_position_embeddings": max_positions,
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def test_a_sequence_longer_than_the_imported_models_context_is_refused(overrides, tmp_path, capsys, no_workers):

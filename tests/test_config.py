@@ -7,6 +7,7 @@ import types
 import typing
 
 import pytest
+from conftest import hf_folder
 
 from rayllm import ConfigError, TrainConfig
 from rayllm.config import RANGES
@@ -194,29 +195,6 @@ def test_range_messages_are_one_line_naming_key_value_range_and_fix():
 
 
 # -- resolve: model.init_from is read on the driver, never in validation ---------------------------
-def hf_folder(path, max_positions: int = 128, **changes) -> str:
-    """A transformers-style Llama folder holding only its config.json (and a stand-in tokenizer.json)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 192,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 1024,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": True,
-        **changes,
-    }
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "tokenizer.json").write_text("{}")
-    return str(path)
-
-
 def test_validation_reads_no_model_folder(tmp_path):
     config = TrainConfig.from_dict({}, overrides=[f"model.init_from={tmp_path / 'nowhere'}", "model.dim=999"])
     assert config.model.dim == 999  # the YAML's, until rayllm.resolve reads the folder

@@ -4,14 +4,10 @@ the seed's global order, each once. The data is read from moto's S3 server on 12
 
 import glob
 import json
-import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
-from conftest import s3_client
+from conftest import kill_actor_after, s3_client
 
 from rayllm import TrainConfig, train
 from rayllm.data.order import local_stream
@@ -51,30 +47,6 @@ def ids_of(rows):
     return [tuple(int(v) for v in r) for r in rows]
 
 
-def kill_a_worker_after(run_dir, step: int, killed: list) -> threading.Thread:
-    """SIGKILL one Ray Train worker process once the run has logged ``step``."""
-    from ray.util.state import list_actors
-
-    def watch():
-        deadline = time.time() + 300
-        log = os.path.join(run_dir, "metrics.jsonl")
-        while time.time() < deadline and not killed:
-            if os.path.exists(log):
-                with open(log) as f:
-                    records = [json.loads(line) for line in f if line.strip()]
-                if any(r.get("kind") == "train" and r["step"] >= step for r in records):
-                    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-                    if workers:
-                        os.kill(workers[0].pid, signal.SIGKILL)
-                        killed.append(workers[0].pid)
-                        return
-            time.sleep(0.2)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
     ray_local, overrides, small_corpus, tmp_path
 ):
@@ -106,7 +78,7 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
 
     killed: list[int] = []
     for workers, stop, kill_at in ((2, 4, None), (1, 9, 6), (2, steps, None)):
-        watcher = kill_a_worker_after(str(tmp_path / "run"), kill_at, killed) if kill_at else None
+        watcher = kill_actor_after(str(tmp_path / "run"), kill_at, "RayTrainWorker", killed) if kill_at else None
         result = train(
             TrainConfig.from_yaml(
                 "configs/tiny.yaml",

@@ -11,13 +11,10 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
-from conftest import TEST_MODEL
+from conftest import TEST_MODEL, kill_actor_after
 from test_exactly_once import G, ids_of, write_small_corpus
 
 from rayllm import RayllmError, TrainConfig, train
@@ -26,27 +23,6 @@ from rayllm.data.plan import prepare_data
 
 pytestmark = pytest.mark.slow
 KEY, SECRET = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e"
-
-
-def kill_stream_server_after(run_dir: str, step: int, killed: list) -> threading.Thread:
-    """SIGKILL the data stream server's process once the run has logged ``step``."""
-    from ray.util.state import list_actors
-
-    def watch():
-        deadline = time.time() + 300
-        log = os.path.join(run_dir, "metrics.jsonl")
-        while time.time() < deadline and not killed:
-            if os.path.exists(log) and any(f'"step": {step},' in line for line in open(log)):
-                servers = list_actors(filters=[("class_name", "=", "StreamServer"), ("state", "=", "ALIVE")])
-                if servers:
-                    os.kill(servers[0].pid, signal.SIGKILL)
-                    killed.append(servers[0].pid)
-                    return
-            time.sleep(0.2)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +50,7 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
     stream = np.concatenate([rows for _, (rows, _) in zip(range(24), local_stream(plan, global_batch=G), strict=False)])
     expected = ids_of(stream[["source", "epoch", "shard", "index"]])
     killed: list[int] = []
-    watcher = kill_stream_server_after(str(tmp_path / "run"), 3, killed)
+    watcher = kill_actor_after(str(tmp_path / "run"), 3, "StreamServer", killed)
     result = train(config, quiet=True)
     watcher.join(timeout=1)
     return {"result": result, "expected": expected, "killed": killed, "run_dir": tmp_path / "run", "config": config}

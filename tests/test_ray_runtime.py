@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, free_port, kill_ray_head, ray_head_command
+from conftest import TEST_MODEL, cli_train_cmd, ray_head
 
 from rayllm import RayllmError, TrainConfig
 from rayllm import ray_runtime as rt
@@ -210,43 +210,24 @@ def test_one_process_trains_with_1_then_2_then_1_workers(corpus, tokenizer_file,
 def two_cpu_head(tmp_path_factory):
     """`ray start --head --num-cpus=2` on 127.0.0.1 (no autoscaling config), ports of its own."""
     temp_dir = tmp_path_factory.mktemp("rh")  # short: Ray's socket paths under it must stay < 108 bytes
-    gcs = f"127.0.0.1:{free_port()}"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))},
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    cmd = ray_head_command(temp_dir, gcs, free_port(), "--num-cpus=2")
-    started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    try:
-        assert started.returncode == 0, started.stdout + started.stderr
+    with ray_head(temp_dir, "--num-cpus=2") as (gcs, env):
         yield gcs, env
-    finally:
-        kill_ray_head(temp_dir, gcs)
 
 
 def test_a_cluster_whose_workers_take_every_cpu_ends_the_run_naming_the_fix(
     two_cpu_head, corpus, tokenizer_file, tmp_path
 ):
     gcs, env = two_cpu_head
-    cmd = [
-        sys.executable,
-        "-m",
-        "rayllm.cli",
-        "train",
-        "configs/tiny.yaml",
-        *TEST_MODEL,
-        f"data.train={corpus / 'train'}",
-        "data.val=null",
-        f"data.tokenizer={tokenizer_file}",
-        "data.demo_corpus=false",
-        f"run.dir={tmp_path / 'run'}",
+    cmd = cli_train_cmd(
+        corpus,
+        tokenizer_file,
+        tmp_path / "run",
         "tracking.enabled=false",
         f"cluster.address={gcs}",
         "cluster.num_workers=2",
         "cluster.cpus_per_worker=1",
         "cluster.resource_wait_s=5",
-    ]
+    )
     started = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     seconds = time.time() - started

@@ -66,21 +66,8 @@ class CheckpointStore:
         self.fs.pipe_file(posixpath.join(self.path(step), COMMIT_FILE), json.dumps(marker).encode())
 
     # -- reading -------------------------------------------------------------------------
-    def complete_steps(self) -> list[int]:
-        """Steps of the complete checkpoints in the run dir, oldest first."""
-        try:
-            entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for entry in entries:
-            match = _NAME.search(entry.rstrip("/"))
-            if match and self.fs.exists(posixpath.join(entry.rstrip("/"), COMMIT_FILE)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
-
-    def incomplete_steps(self) -> list[int]:
-        """Folders named like checkpoints without the marker: writes that never finished."""
+    def _folders(self) -> list[tuple[int, bool]]:
+        """(step, complete) for every folder named like a checkpoint in the run dir, by step."""
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
@@ -88,9 +75,17 @@ class CheckpointStore:
         found = []
         for entry in entries:
             match = _NAME.search(entry.rstrip("/"))
-            if match and not self.fs.exists(posixpath.join(entry.rstrip("/"), COMMIT_FILE)):
-                found.append(int(match.group(1)))
+            if match:
+                found.append((int(match.group(1)), self.fs.exists(posixpath.join(entry.rstrip("/"), COMMIT_FILE))))
         return sorted(found)
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the run dir, oldest first."""
+        return [step for step, complete in self._folders() if complete]
+
+    def incomplete_steps(self) -> list[int]:
+        """Folders named like checkpoints without the marker: writes that never finished."""
+        return [step for step, complete in self._folders() if not complete]
 
     def latest(self) -> str | None:
         steps = self.complete_steps()
@@ -109,11 +104,11 @@ class CheckpointStore:
     def prune(self, keep: int, written_before: int) -> None:
         """Keep the latest ``keep`` complete checkpoints; drop older ones and unfinished writes
         older than step ``written_before`` (never one being written now)."""
-        for step in self.complete_steps()[:-keep]:
+        folders = self._folders()
+        complete = [step for step, done in folders if done]
+        unfinished = [step for step, done in folders if not done and step < written_before]
+        for step in complete[:-keep] + unfinished:
             self.fs.rm(self.path(step), recursive=True)
-        for step in self.incomplete_steps():
-            if step < written_before:
-                self.fs.rm(self.path(step), recursive=True)
 
 
 def read_state(uri: str, storage: StorageSettings) -> dict:
