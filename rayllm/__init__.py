@@ -50,7 +50,7 @@ def evaluate(checkpoint: str, data, *, workers: int = 2, seq_len: int | None = N
 
 def export_hf(checkpoint: str, out_dir: str, *, storage=None, tokenizer: str | None = None) -> str:
     """A checkpoint as a Hugging Face Llama folder (config.json, model.safetensors, tokenizer files)."""
-    from rayllm.hf import export_checkpoint
+    from rayllm.pretrained import export_checkpoint
 
     return export_checkpoint(checkpoint, out_dir, storage=storage, tokenizer=tokenizer)
 

@@ -177,7 +177,7 @@ def _use_model(args: argparse.Namespace) -> int:
     storage = StorageSettings(endpoint_url=args.endpoint_url)
     try:
         if args.command == "export":
-            from rayllm.hf import export_checkpoint
+            from rayllm.pretrained import export_checkpoint
 
             out = export_checkpoint(args.checkpoint, args.output, storage=storage, tokenizer=args.tokenizer)
             print(f"[rayllm] exported {args.checkpoint} to {out} (transformers LlamaForCausalLM)")

@@ -222,17 +222,6 @@ def save_hf(model: Llama, tokenizer_json: str | None, out_dir: str, eos_token: s
     return out_dir
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, *, storage=None, tokenizer: str | None = None) -> str:
-    """A rayllm checkpoint (local or object storage, any world size) as a transformers Llama folder."""
-    from rayllm.pretrained import load_checkpoint
-
-    if os.path.exists(os.path.join(out_dir, CONFIG_FILE)):
-        raise CheckpointError(f"{out_dir} already holds a model ({CONFIG_FILE}); export to a new folder")
-    loaded = load_checkpoint(checkpoint, storage=storage, device="cpu", tokenizer=tokenizer)
-    eos = loaded.eos_id
-    return save_hf(loaded.model, loaded.tokenizer.to_str(), out_dir, loaded.tokenizer.id_to_token(eos), eos)
-
-
 # -- import -----------------------------------------------------------------------------------
 def read_weights(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors folder (one file, or shards listed by an index)."""
@@ -265,19 +254,3 @@ def read_model_state(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
                 f"{folder}: weight for {name} is {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
             )
     return state
-
-
-def load_hf(folder: str, *, device: str | torch.device | None = "auto"):
-    """A transformers Llama folder as a ``Pretrained`` (model and the tokenizer it ships)."""
-    from rayllm.data import tokenizer as tokenizers
-    from rayllm.pretrained import Pretrained, resolve_device
-
-    args = model_args_from_hf(read_config(folder), folder)
-    model = Llama(args)
-    model.load_state_dict(read_model_state(folder, args), strict=True)
-    tokenizer_path = os.path.join(folder, TOKENIZER_FILE)
-    if not os.path.exists(tokenizer_path):
-        raise CheckpointError(f"{folder} has no {TOKENIZER_FILE}; rayllm needs the fast tokenizer file")
-    with open(tokenizer_path) as f:
-        tok = tokenizers.load(f.read(), tokenizer_path)
-    return Pretrained(model=model.to(resolve_device(device)).eval(), tokenizer=tok, source=folder)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
 
+from rayllm import hf
 from rayllm.checkpoint import STATE_FILE, TOKENIZER_FILE, check_model_shapes, find_checkpoint
 from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tokenizers
@@ -109,8 +110,6 @@ def load(
 ) -> Pretrained:
     """A checkpoint, a run dir's latest checkpoint, or a local Hugging Face Llama folder."""
     if not is_remote(path) and os.path.exists(os.path.join(path, "config.json")):
-        from rayllm.hf import load_hf
-
         loaded = load_hf(path, device=device)
         if tokenizer:
             loaded.tokenizer = tokenizers.load(_read_tokenizer(tokenizer, storage or StorageSettings()), tokenizer)
@@ -169,3 +168,25 @@ def local_checkpoint(path: str, storage: StorageSettings) -> Iterator[tuple[str,
     with tempfile.TemporaryDirectory(prefix="rayllm-checkpoint-") as tmp:
         fs.get(p.rstrip("/") + "/", tmp + "/", recursive=True)
         yield tmp, uri
+
+
+def load_hf(folder: str, *, device: str | torch.device | None = "auto"):
+    """A transformers Llama folder as a ``Pretrained`` (model and the tokenizer it ships)."""
+    args = hf.model_args_from_hf(hf.read_config(folder), folder)
+    model = Llama(args)
+    model.load_state_dict(hf.read_model_state(folder, args), strict=True)
+    tokenizer_path = os.path.join(folder, hf.TOKENIZER_FILE)
+    if not os.path.exists(tokenizer_path):
+        raise CheckpointError(f"{folder} has no {hf.TOKENIZER_FILE}; rayllm needs the fast tokenizer file")
+    with open(tokenizer_path) as f:
+        tok = tokenizers.load(f.read(), tokenizer_path)
+    return Pretrained(model=model.to(resolve_device(device)).eval(), tokenizer=tok, source=folder)
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, *, storage=None, tokenizer: str | None = None) -> str:
+    """A rayllm checkpoint (local or object storage, any world size) as a transformers Llama folder."""
+    if os.path.exists(os.path.join(out_dir, hf.CONFIG_FILE)):
+        raise CheckpointError(f"{out_dir} already holds a model ({hf.CONFIG_FILE}); export to a new folder")
+    loaded = load_checkpoint(checkpoint, storage=storage, device="cpu", tokenizer=tokenizer)
+    eos = loaded.eos_id
+    return hf.save_hf(loaded.model, loaded.tokenizer.to_str(), out_dir, loaded.tokenizer.id_to_token(eos), eos)

@@ -19,7 +19,7 @@ import yaml
 from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
-from rayllm.ray_runtime import connect_ray, wait_for_room
+from rayllm.ray_runtime import connect_ray, wait_for_room, worker_bundle
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.trainer import faults
 from rayllm.trainer.control import RunControl
@@ -165,11 +165,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             num_workers=lo if lo == hi else (lo, hi),
             elastic_resize_monitor_interval_s=config.cluster.resize_interval_s,
             use_gpu=config.cluster.use_gpu,
-            resources_per_worker={
-                "CPU": config.cluster.cpus_per_worker,
-                **({"GPU": 1} if config.cluster.use_gpu else {}),
-                **config.cluster.worker_resources,
-            },
+            resources_per_worker=worker_bundle(config),
         ),
         run_config=ray.train.RunConfig(
             name=name,
