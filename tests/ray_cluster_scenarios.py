@@ -109,37 +109,29 @@ def scenario_reference(overrides, root):
 
 
 def scenario_kill(overrides, root):
-    """SIGKILL one training worker's process after step 9."""
+    """Two faults in one run: SIGTERM to one training worker's process (not the driver) after step
+    9, as a spot reclaim or a drain sends it; then, once the run has resumed and trained past step
+    30, SIGKILL to a worker's process."""
     from ray.util.state import list_actors
+
+    def a_worker_pid() -> int:
+        return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])[-1].pid
 
     run_dir = f"{root}/kill"
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
     thread, box = run_in_thread(config)
-    killed_at = None
-    if wait_for(lambda: trained_past(run_dir, 9) and checkpoint_registered(run_dir)):
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-        os.kill(workers[-1].pid, signal.SIGKILL)
-        killed_at = time.time()
-    thread.join()
-    return summary(run_dir, box, killed=killed_at is not None)
-
-
-def scenario_sigterm(overrides, root):
-    """SIGTERM to one training worker's process (not the driver) after step 9: what a spot reclaim
-    or a drain does to that node's processes."""
-    from ray.util.state import list_actors
-
-    run_dir = f"{root}/sigterm"
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
-    thread, box = run_in_thread(config)
-    signalled = False
+    signalled = killed = False
     if wait_for(lambda: trained_past(run_dir, 9)):
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-        os.kill(workers[-1].pid, signal.SIGTERM)
+        os.kill(a_worker_pid(), signal.SIGTERM)
         signalled = True
+        resumed = lambda: len([r for r in records(run_dir) if r["kind"] == "start"]) == 2  # noqa: E731
+        if wait_for(lambda: resumed() and trained_past(run_dir, 30) and checkpoint_registered(run_dir)):
+            os.kill(a_worker_pid(), signal.SIGKILL)
+            killed = True
     thread.join()
-    preempted = [r for r in records(run_dir) if r["kind"] == "preempted"]
-    return summary(run_dir, box, signalled=signalled, preempted=preempted)
+    recs = records(run_dir)
+    preempted = [r for r in recs if r["kind"] == "preempted"]
+    return summary(run_dir, box, signalled=signalled, killed=killed, preempted=preempted)
 
 
 def scenario_crash_in_checkpoint(overrides, root):

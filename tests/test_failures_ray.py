@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import time
 
 import numpy as np
 import pytest
@@ -116,3 +117,20 @@ def test_an_error_that_repeats_at_the_same_step_ends_the_run_after_two_attempts(
     with open(os.path.join(config.run.dir, "metrics.jsonl")) as f:
         starts = [line for line in f if '"kind": "start"' in line]
     assert len(starts) == 2
+
+
+def test_a_stalled_data_stream_server_is_an_error_naming_the_wait(ray_local):
+    import ray
+
+    from rayllm.data.ray_stream import DataStreamLost, served_batches
+
+    @ray.remote(num_cpus=0)
+    class Stalled:
+        def take(self, rank: int) -> list:
+            time.sleep(60)
+            return []
+
+    started = time.time()
+    with pytest.raises(DataStreamLost, match=r"rank 1 waited 1 s \(data.wait_timeout_s\) for its next batch"):
+        next(served_batches(Stalled.remote(), 1, timeout_s=1.0))
+    assert time.time() - started < 30
