@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -238,7 +239,9 @@ class Trainer:
         for i, rows_i in enumerate(micro):
             if self.sharded:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = self._loss(rows_i) * faults.loss_scale(self.step + 1) / len(micro)
+            loss = self._loss(rows_i) / len(micro)
+            if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
+                loss = loss * faults.loss_scale(self.step + 1)
             loss.backward()
             total += loss.detach()  # summed on the device: one sync per step, not per micro-batch
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
