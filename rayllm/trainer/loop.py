@@ -67,6 +67,11 @@ class Session(Protocol):
         """Whether a stop (SIGTERM, SIGINT) was asked for; the loop agrees on it across ranks."""
         ...
 
+    def preempted(self) -> bool:
+        """Whether this rank's process was asked to stop on its own (a reclaimed node): the run
+        checkpoints at the step all ranks agree on, then restarts."""
+        ...
+
     def emit(self, record: dict[str, Any]) -> None: ...
 
 
@@ -196,8 +201,7 @@ class Trainer:
         t = self.config.train
         busy = self.checkpointer.writing()
         due = bool(t.checkpoint_every_s) and time.monotonic() - self.checkpointer.last_at >= t.checkpoint_every_s
-        preempted = getattr(self.session, "preempted", None)
-        preempt = self.session.rank + 1 if preempted is not None and preempted() else 0
+        preempt = self.session.rank + 1 if self.session.preempted() else 0
         flags = torch.tensor(
             [busy, self.session.stop_requested(), due and self.session.rank == 0, preempt], dtype=torch.int32
         )

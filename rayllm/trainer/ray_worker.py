@@ -38,6 +38,7 @@ class RaySession:
         self._stop = False
         self._emit_failed = False
         self.prunes_checkpoints = False  # Ray Train keeps the last K it has registered
+        self._preemption_context = _preemption_context()
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -115,12 +116,8 @@ class RaySession:
         worker's node is being preempted: checkpoint at the next step, then restart without it."""
         if WORKER.requested.is_set():
             return True
-        try:  # Ray Train's own drain notice, read locally (its public getter is a barrier)
-            from ray.train.v2._internal.execution.context import get_train_context
-
-            return get_train_context().preemption_context.preemption_info is not None
-        except Exception:
-            return False
+        preemption = self._preemption_context
+        return preemption is not None and preemption.preemption_info is not None
 
     def emit(self, record: dict[str, Any]) -> None:
         """Progress to the driver; never worth stopping training over (the driver may be gone)."""
@@ -132,6 +129,17 @@ class RaySession:
             if not self._emit_failed:
                 logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
             self._emit_failed = True
+
+
+def _preemption_context():
+    """Ray Train's drain notice for this worker, read locally at every step (its public getter,
+    ray.train.get_preemption_info, is a barrier across workers); None where Ray has none."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context
+    except Exception:
+        return None
 
 
 def _already_stored(checkpoint, checkpoint_dir_name: str):

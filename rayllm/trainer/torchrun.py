@@ -59,6 +59,9 @@ class LocalSession:
     def stop_requested(self) -> bool:
         return SIGNALS.requested.is_set()
 
+    def preempted(self) -> bool:
+        return False  # torchrun forwards a signal to every rank: it is a stop of the whole run
+
     def emit(self, record: dict[str, Any]) -> None:
         if self.monitor is not None:
             self.monitor.handle(record)
