@@ -22,6 +22,7 @@ from rayllm.config_checks import (
     check_data,
     check_model,
     check_names,
+    check_parallel,
     check_range,
     check_ranges,
     check_tracking,
@@ -213,6 +214,20 @@ class TrainingSettings:
 
 
 @dataclass
+class ParallelSettings:
+    """How the ranks are laid out: dp_replicate x dp_shard x tp = the world (rayllm.parallel.mesh).
+
+    FSDP shards over dp_shard ranks; dp_replicate > 1 is HSDP (shard inside a group, usually a
+    node, replicate across groups: all-gathers stay inside the node); tp > 1 splits every block's
+    matmuls over that many neighbouring ranks (keep it inside a node). Each degree is a number
+    or "auto" (see rayllm.parallel.mesh.resolve_shape)."""
+
+    dp_shard: int | str = "auto"  # auto: what the other degrees leave of the world
+    dp_replicate: int | str = 1  # auto: one replica per node when the run spans nodes (GPU)
+    tp: int | str = 1  # auto: 1, or the GPUs of a node for models too large to shard by FSDP alone
+
+
+@dataclass
 class ClusterSettings:
     """Ray cluster use: ``num_workers`` is an int, or ``[min, max]`` for elastic."""
 
@@ -255,6 +270,7 @@ class TrainConfig:
     data: DataSettings = field(default_factory=DataSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
     train: TrainingSettings = field(default_factory=TrainingSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
 
@@ -305,6 +321,7 @@ class TrainConfig:
         check_model(self.model, shape=not self.model.init_from)
         check_train(self.train, self.cluster)
         check_cluster(self)
+        check_parallel(self)
         check_tracking(self.tracking)
 
 

@@ -27,14 +27,15 @@ if TYPE_CHECKING:
     )
 
 
-def check_batch_split(global_batch: int, micro_batch: int, world_size: int) -> int:
-    """Gradient-accumulation steps that keep ``global_batch`` fixed on ``world_size`` ranks."""
-    per_step = micro_batch * world_size
+def check_batch_split(global_batch: int, micro_batch: int, data_ranks: int) -> int:
+    """Gradient-accumulation steps that keep ``global_batch`` fixed over ``data_ranks`` slices
+    (the workers, or workers / parallel.tp: the ranks of a TP group share one slice)."""
+    per_step = micro_batch * data_ranks
     if global_batch % per_step:
         raise ConfigError(
             f"train.global_batch_size ({global_batch}) must be divisible by train.micro_batch_size "
-            f"({micro_batch}) x workers ({world_size}); pick a global batch that is a multiple of {per_step} "
-            f"or a smaller micro batch"
+            f"({micro_batch}) x data-parallel ranks ({data_ranks}: workers / parallel.tp); pick a global batch "
+            f"that is a multiple of {per_step} or a smaller micro batch"
         )
     return global_batch // per_step
 
@@ -249,7 +250,7 @@ def check_train(t: TrainingSettings, c: ClusterSettings) -> None:
 
 
 def check_cluster(config: TrainConfig) -> None:
-    c, t = config.cluster, config.train
+    c = config.cluster
     if isinstance(c.num_workers, list):
         if len(c.num_workers) != 2 or not 1 <= c.num_workers[0] <= c.num_workers[1]:
             raise ConfigError(
@@ -268,9 +269,25 @@ def check_cluster(config: TrainConfig) -> None:
         if not Range(0).holds(amount):
             raise ConfigError(f"{key} must be a finite number >= 0, got {amount!r}; for example 1")
     _text("cluster.address", c.address, "give a Ray address such as ray://head:10001, or null", null=True)
+
+
+def check_parallel(config: TrainConfig) -> None:
+    """The layout must fit the smallest and the largest world, and split the batch and the model."""
+    from rayllm.parallel.layout import check_model_split, resolve_layout
+
+    p, t, m = config.parallel, config.train, config.model
     lo, hi = config.worker_range
-    for n in {lo, hi}:
-        check_batch_split(t.global_batch_size, t.micro_batch_size, n)
+    for n in sorted({lo, hi}):
+        layout = resolve_layout(p, n)
+        check_batch_split(t.global_batch_size, t.micro_batch_size, layout.dp)
+        check_model_split(
+            layout,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            hidden=m.ffn_hidden,
+            seq_len=config.data.seq_len,
+            tied=m.tie_embeddings,
+        )
 
 
 def check_tracking(k: TrackingSettings) -> None:

@@ -162,9 +162,10 @@ def _scalars(tp: typing.Any) -> tuple:
 
 
 def test_every_number_in_the_tree_has_a_decided_range():
-    # cluster.num_workers (an int or [min, max]) and cluster.worker_resources (a mapping) have their own checks.
+    # cluster.num_workers (an int or [min, max]), cluster.worker_resources (a mapping) and the
+    # parallel degrees (a number or auto: rayllm.parallel.layout) have their own checks.
     numbers = {k for k, tp in _leaves(TrainConfig).items() if {int, float} & set(_scalars(tp))}
-    numbers.discard("cluster.num_workers")
+    numbers -= {"cluster.num_workers", "parallel.dp_shard", "parallel.dp_replicate", "parallel.tp"}
     assert numbers == set(RANGES), "a numeric key without a range in rayllm.config.RANGES, or a stale entry"
 
 

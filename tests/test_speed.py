@@ -14,7 +14,7 @@ from rayllm import TrainConfig
 from rayllm.bench.speed import run_ranks
 from rayllm.errors import ConfigError
 from rayllm.model import Llama
-from rayllm.parallel import parallelize
+from rayllm.parallel.apply import parallelize
 from rayllm.trainer.loop import build_optimizer, model_args
 
 
@@ -46,7 +46,7 @@ def test_cpu_offload_gives_the_same_losses_as_the_plain_run():
 
 def test_cpu_offload_on_a_cpu_device_names_the_fix():
     with pytest.raises(ConfigError, match="train.cpu_offload needs a GPU"):
-        parallelize(Llama(model_args(_config())), dtype=torch.float32, world_size=1, cpu_offload=True)
+        parallelize(Llama(model_args(_config())), dtype=torch.float32, cpu_offload=True)
 
 
 def test_checkpoint_keys_do_not_depend_on_checkpointing_or_compile():
@@ -54,7 +54,7 @@ def test_checkpoint_keys_do_not_depend_on_checkpointing_or_compile():
     config = _config()
     keys = []
     for wrap in ({}, {"activation_checkpointing": True, "compile": True}):
-        model = parallelize(Llama(model_args(config)), dtype=torch.float32, world_size=1, **wrap)
+        model = parallelize(Llama(model_args(config)), dtype=torch.float32, **wrap)
         model_sd, optim_sd = get_state_dict(model, build_optimizer(model, config, torch.device("cpu")))
         keys.append((sorted(model_sd), sorted(optim_sd["state"])))
     assert keys[0] == keys[1]

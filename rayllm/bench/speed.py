@@ -52,7 +52,7 @@ from rayllm.hardware import (
     resident_bytes,
 )
 from rayllm.model import Llama, flops_per_token
-from rayllm.parallel import compute_dtype, should_compile
+from rayllm.parallel.apply import compute_dtype, should_compile
 from rayllm.resolve import resolve
 
 MEMORY_VARIANTS = {
@@ -83,8 +83,10 @@ def _free_port() -> int:
 
 
 def _init_group(config: TrainConfig, rank: int, world_size: int, port: int) -> None:
+    """After ``_device``: NCCL's group is bound to the device already set."""
+    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if config.cluster.use_gpu else {}
     backend = "nccl" if config.cluster.use_gpu else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs)
 
 
 def synthetic_rows(config: TrainConfig, n: int, seed: int = 0) -> np.ndarray:
@@ -101,6 +103,7 @@ class _StepSession:
 
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_world_size = world_size
         self.train_plan = types.SimpleNamespace(sources=[None])
         self.val_plan = None
 
@@ -236,9 +239,9 @@ def _cpu_name() -> str:
 def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threads: int, steps: int, out) -> None:
     if threads:
         torch.set_num_threads(threads)
+    device = _device(config, rank)
     _init_group(config, rank, world_size, port)
     try:
-        device = _device(config, rank)
         before = resident_bytes()
         reset_peak_resident()
         trainer = _trainer(config, rank, world_size, device)

@@ -121,10 +121,12 @@ class StreamServer:
         global_batch: int,
         world_size: int,
         parallelism: int,
+        ranks_per_slice: int = 1,
         depth: int = 4,
     ):
         configure_ray_data()
         self._world_size = world_size
+        self._ranks_per_slice = ranks_per_slice  # consecutive ranks (a TP group) fed the same slice
         self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -138,8 +140,9 @@ class StreamServer:
             )
             for rows, meta in stream:
                 meta_dict = meta.to_dict()
+                slices = self._world_size // self._ranks_per_slice
                 for rank, q in enumerate(self._queues):
-                    self._put(q, (rank_slice(rows, rank, self._world_size), meta_dict))
+                    self._put(q, (rank_slice(rows, rank // self._ranks_per_slice, slices), meta_dict))
             for q in self._queues:
                 self._put(q, _END)
         except BaseException as e:  # handed to every rank, which raises it
@@ -182,6 +185,7 @@ def start_server(
     world_size: int,
     parallelism: int,
     name: str,
+    ranks_per_slice: int = 1,
 ):
     """Start the stream's actor beside the calling process (rank 0); it dies with its owner."""
     import ray
@@ -193,7 +197,7 @@ def start_server(
         max_concurrency=world_size + 4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
     )
-    return actor.remote(plan, state.to_dict(), consumed, global_batch, world_size, parallelism)
+    return actor.remote(plan, state.to_dict(), consumed, global_batch, world_size, parallelism, ranks_per_slice)
 
 
 class DataStreamLost(RuntimeError):

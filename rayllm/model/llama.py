@@ -8,6 +8,7 @@ applied to this plain module afterwards (see ``rayllm.parallel``).
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -133,11 +134,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerCache | None = None
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        # -1 heads: under tensor parallelism a rank holds H/tp query and KV/tp key/value heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.n_kv_heads != self.n_heads
+        gqa = q.shape[1] != k.shape[1]
         if kv is None or kv.start == 0:
             if kv is not None:
                 kv.write(k, v)
@@ -175,8 +177,27 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def initial_weight(
+    name: str, shape: tuple[int, ...], args: ModelArgs, seed: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The starting value of parameter ``name`` in full, from a generator of its own.
+
+    GPT-2 style: norms 1, matrices N(0, 0.02), residual projections (wo, w2) scaled down by
+    depth. One seed per parameter, not one stream for the model: a rank that holds a shard
+    computes exactly the values a single process would, whatever the mesh, and in any order.
+    """
+    if len(shape) < 2:
+        return torch.ones(shape, device=device)
+    std = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    generator = torch.Generator(device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+
 class Llama(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Built on the ``meta`` device, it allocates nothing: ``rayllm.parallel`` shards it, then
+    materialises each rank's shards with ``initial_weight`` and ``reset_buffers``."""
+
+    def __init__(self, args: ModelArgs, seed: int = 0):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -185,21 +206,24 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(args, args.max_seq_len)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        shape = (args.max_seq_len, args.head_dim // 2)
+        self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
+        if not self.rope_cos.is_meta:
+            self.reset_buffers()
+            self.init_weights(seed)
 
-    def init_weights(self) -> None:
-        """GPT-2 style: N(0, 0.02), residual projections scaled by depth."""
-        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+    def reset_buffers(self) -> None:
+        """The rotary tables (derived, never checkpointed): after materialising from ``meta`` too."""
+        cos, sin = rope_tables(self.args, self.args.max_seq_len)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=out_std)
-            elif p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-            else:
-                nn.init.ones_(p)
+            p.copy_(initial_weight(name, tuple(p.shape), self.args, seed, p.device))
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None

@@ -33,7 +33,10 @@ from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_
 from rayllm.hf import read_model_state
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.model.sampling import greedy_continuations
-from rayllm.parallel import compute_dtype, is_sharded, parallelize, should_compile
+from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
+from rayllm.parallel.fsdp import accumulate
+from rayllm.parallel.layout import Layout, resolve_layout
+from rayllm.parallel.tp import loss_context
 from rayllm.trainer import faults
 from rayllm.trainer.checkpointer import Checkpointer, PendingCheckpoint
 from rayllm.trainer.schedule import lr_at
@@ -44,13 +47,17 @@ class Session(Protocol):
 
     rank: int
     world_size: int
+    local_world_size: int  # ranks on this rank's node
     device: torch.device
 
     train_plan: StreamPlan
     val_plan: StreamPlan | None
 
-    def train_batches(self, state: DataState, consumed: int) -> Iterator[tuple[np.ndarray, DataState]]:
-        """This rank's rows of each global batch from ``consumed`` on, with the data state after each."""
+    def train_batches(
+        self, state: DataState, consumed: int, ranks_per_slice: int
+    ) -> Iterator[tuple[np.ndarray, DataState]]:
+        """This rank's rows of each global batch from ``consumed`` on, with the data state after each:
+        slice ``rank // ranks_per_slice`` of ``world_size // ranks_per_slice`` (TP peers share one)."""
         ...
 
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
@@ -96,11 +103,25 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.d
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (loss_parallel's is a replicated DTensor)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def _all_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def agreed_ranks_per_node(session: Session) -> int | None:
+    """Ranks per node when every node runs the same number (what HSDP's "auto" needs), else None."""
+    if session.world_size == 1:
+        return 1
+    t = torch.tensor([session.local_world_size, -session.local_world_size], dtype=torch.int64, device=session.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) if int(t[0]) == -int(t[1]) else None
 
 
 def _peak_memory(device: torch.device) -> int:
@@ -116,24 +137,34 @@ class Trainer:
         self.config, self.session = config, session
         t = config.train
         self.device = session.device
-        self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, session.world_size)
         self.args = model_args(config)
-        torch.manual_seed(t.seed)  # identical full init on every rank, whatever the world size
-        model = Llama(self.args)
+        with torch.device("meta"):  # nothing allocated: each rank materialises only its shards
+            model = Llama(self.args)
         self.n_params = num_params(model)
+        self.layout: Layout = resolve_layout(
+            config.parallel,
+            session.world_size,
+            ranks_per_node=agreed_ranks_per_node(session),
+            n_params=self.n_params,
+            use_gpu=self.device.type == "cuda",
+        )
+        self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
+        self.data_rank = self.layout.data_rank(session.rank)
+        # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
+        self.counts_data = session.rank % self.layout.tp == 0
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model = parallelize(
             model,
             dtype=self.dtype,
-            world_size=session.world_size,
+            layout=self.layout,
             activation_checkpointing=t.activation_checkpointing,
             cpu_offload=t.cpu_offload,
             compile=should_compile(t.compile, self.device),
             device=self.device,
+            seed=t.seed,
         )
-        self.sharded = is_sharded(self.model)
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
@@ -178,6 +209,7 @@ class Trainer:
             "metrics": metrics,
             "restarts": self.restarts,
             "world_size": self.session.world_size,
+            "layout": dataclasses.asdict(self.layout),
             "model": dataclasses.asdict(self.args),  # so the checkpoint alone can be loaded (generate, export)
         }
 
@@ -224,15 +256,17 @@ class Trainer:
 
     # -- steps ---------------------------------------------------------------------------
     def _loss(self, rows: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of rows (B, T + 1); under TP, call inside ``loss_context``."""
         inputs, targets = rows[:, :-1], rows[:, 1:]  # (B, T) each
         return self.model(inputs, targets)
 
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
         t = self.config.train
-        if self.config.data.record_ids:
-            self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
-        self.source_counts += np.bincount(rows["source"], minlength=len(self.source_counts))
+        if self.counts_data:
+            if self.config.data.record_ids:
+                self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
+            self.source_counts += np.bincount(rows["source"], minlength=len(self.source_counts))
         tokens = np.ascontiguousarray(rows["tokens"])
         batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
         micro = batch.split(t.micro_batch_size)
@@ -240,14 +274,17 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for i, rows_i in enumerate(micro):
-            if self.sharded:
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = self._loss(rows_i) / len(micro)
-            if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
-                loss = loss * faults.loss_scale(self.step + 1)
-            loss.backward()
-            total += loss.detach()  # summed on the device: one sync per step, not per micro-batch
+
+        def backward(rows_i: torch.Tensor) -> None:
+            nonlocal total
+            with loss_context(self.layout.tp):
+                loss = self._loss(rows_i) / len(micro)
+                if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
+                    loss = loss * faults.loss_scale(self.step + 1)
+                loss.backward()
+            total += _local(loss.detach())  # summed on the device: one sync per step, not per micro-batch
+
+        accumulate(self.model, micro, backward)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -268,8 +305,8 @@ class Trainer:
     def samples(self) -> list[dict[str, str]]:
         """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them)."""
         t = self.config.train
-        if t.sample_tokens <= 0 or not t.sample_prompts:
-            return []
+        if t.sample_tokens <= 0 or not t.sample_prompts or self.layout.tp > 1:
+            return []  # (decoding one position at a time cannot be split along the sequence by TP)
         if self._tokenizer is None:
             source = self.session.train_plan.sources[0]
             self._tokenizer = tokenizers.load(source.tokenizer_json, "the run's tokenizer")
@@ -293,7 +330,7 @@ class Trainer:
             # Validation data is small (val_batches x global batch): each rank reads it in-process.
             batches = local_stream(plan, global_batch=t.global_batch_size)
             self._val_rows = [
-                rank_slice(rows, self.session.rank, self.session.world_size)
+                rank_slice(rows, self.data_rank, self.layout.dp)
                 for _, (rows, _) in zip(range(t.val_batches), batches, strict=False)
             ]
         self.model.eval()
@@ -301,7 +338,8 @@ class Trainer:
         for rows in self._val_rows:
             batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
             for rows_i in batch.split(t.micro_batch_size):
-                total += self._loss(rows_i).item() * len(rows_i)
+                with loss_context(self.layout.tp):
+                    total += _local(self._loss(rows_i)).item() * len(rows_i)
                 count += len(rows_i)
         self.model.train()
         total, count = _all_sum([total, count], self.device)
@@ -340,9 +378,10 @@ class Trainer:
                     "peak_flops": peak_flops,
                     "restarts": self.restarts,
                     "accum_steps": self.accum,
+                    "layout": self.layout.describe(),
                 }
             )
-        batches = prefetched(session.train_batches(self.data_state, self.consumed))
+        batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
         if self.step == 0:
             val = self.validate()
             if rank0 and val is not None:

@@ -28,6 +28,7 @@ class RaySession:
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
+        self.local_world_size = context.get_local_world_size()
         self._queue = queue  # progress from rank 0; failures from any rank
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
@@ -47,7 +48,7 @@ class RaySession:
         else:
             self.device = torch.device("cpu")
 
-    def train_batches(self, state: DataState, consumed: int):
+    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Rank 0 starts this attempt's stream server; every rank then pulls its slices from it."""
         import uuid
 
@@ -64,6 +65,7 @@ class RaySession:
                 world_size=self.world_size,
                 parallelism=self.config.data.tokenize_tasks,
                 name=name[0],
+                ranks_per_slice=ranks_per_slice,
             )
         if self.world_size > 1:
             dist.broadcast_object_list(name, src=0)

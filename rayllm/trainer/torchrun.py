@@ -35,6 +35,7 @@ class LocalSession:
     def __init__(self, config: TrainConfig, plans: DataPlans, monitor: RunMonitor | None):
         self.config, self.plans, self.monitor = config, plans, monitor
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.cluster.use_gpu:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
@@ -43,12 +44,13 @@ class LocalSession:
         self.train_plan, self.val_plan = plans.train, plans.val
         self.prunes_checkpoints = True  # no Ray Train here to keep the last K
 
-    def train_batches(self, state: DataState, consumed: int):
+    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
         stream = local_stream(
             self.train_plan, state, consumed=consumed, global_batch=self.config.train.global_batch_size
         )
-        return ((rank_slice(rows, self.rank, self.world_size), meta) for rows, meta in stream)
+        slice_, slices = self.rank // ranks_per_slice, self.world_size // ranks_per_slice
+        return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         pass  # the commit marker is the whole registration
@@ -72,7 +74,14 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
     if is_remote(config.run.dir):
         raise RayllmError("under torchrun, run.dir must be a local or shared path; use the Ray path for s3://")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if config.cluster.use_gpu else "gloo")
+        if config.cluster.use_gpu:
+            # The device first, then the group bound to it: NCCL's communicators are created for
+            # that device, and no collective lands on GPU 0 by default.
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
         if rank == 0:
@@ -98,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     SIGNALS.install()
     try:
-        config = TrainConfig.from_yaml(argv[0], overrides=argv[1:])
+        # The world is torchrun's: the layout and the batch split are checked against it.
+        world = [f"cluster.num_workers={os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
+        config = TrainConfig.from_yaml(argv[0], overrides=[*argv[1:], *world])
         metrics = run(config)
     except RayllmError as e:
         print(f"rayllm: error: {e}", file=sys.stderr)

@@ -1,0 +1,143 @@
+"""How a world of ranks splits into parallel axes: pure arithmetic, no torch.
+
+Ranks are laid out row-major over (dp_replicate, dp_shard, tp), as ``init_device_mesh``
+numbers them: the ``tp`` ranks of one group are neighbours (one node's GPUs), and every
+rank of a TP group is fed the same rows, so the data stream is cut into ``world // tp``
+slices and rank r trains on slice ``r // tp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayllm.errors import ConfigError
+
+AUTO = "auto"
+# tp "auto" turns tensor parallelism on (a node's GPUs) from this model size up: below it,
+# FSDP/HSDP alone fits a 80 GB GPU with activation checkpointing (see rayllm plan).
+TP_AUTO_MIN_PARAMS = 30e9
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees of each axis; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many slices each global batch is cut into."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, rank: int) -> int:
+        """The slice of each global batch that ``rank`` trains on (TP peers share one)."""
+        return rank // self.tp
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        return " x ".join(parts) or "1 rank"
+
+
+def _degree(key: str, value: int | str) -> int | None:
+    if value == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"parallel.{key} must be a whole number >= 1 or auto, got {value!r}; for example 1")
+    return value
+
+
+def resolve_layout(
+    settings,
+    world_size: int,
+    *,
+    ranks_per_node: int | None = None,
+    n_params: float | None = None,
+    use_gpu: bool = False,
+) -> Layout:
+    """The degrees for ``world_size`` ranks from ``parallel.*`` (``ParallelSettings``).
+
+    auto: tp is ``ranks_per_node`` (at most 8) for a GPU model of 30B parameters or more, else 1;
+    dp_replicate is the number of nodes when a GPU run spans several whole nodes (HSDP: all-gathers
+    stay inside a node), else 1; dp_shard is what the other two leave.
+    """
+    tp = _degree("tp", settings.tp)
+    replicate = _degree("dp_replicate", settings.dp_replicate)
+    shard = _degree("dp_shard", settings.dp_shard)
+    whole_nodes = bool(ranks_per_node) and world_size % ranks_per_node == 0 and world_size > ranks_per_node
+    if tp is None:
+        big = use_gpu and ranks_per_node and n_params is not None and n_params >= TP_AUTO_MIN_PARAMS
+        tp = min(8, ranks_per_node) if big else 1
+    if replicate is None:
+        replicate = world_size // ranks_per_node if use_gpu and whole_nodes else 1
+        if shard is not None and replicate * shard * tp != world_size:
+            replicate = max(1, world_size // (shard * tp))
+    if shard is None:
+        shard = world_size // (replicate * tp) if world_size % (replicate * tp) == 0 else 0
+    layout = Layout(replicate, shard, tp)
+    if shard < 1 or layout.world_size != world_size:
+        raise ConfigError(
+            f"parallel: dp_replicate {settings.dp_replicate} x dp_shard {settings.dp_shard} x tp {settings.tp} does "
+            f"not lay out {world_size} ranks; pick degrees whose product is the number of workers (auto fills one in)"
+        )
+    return layout
+
+
+def check_model_split(
+    layout: Layout, *, n_heads: int, n_kv_heads: int, hidden: int | None, seq_len: int, tied: bool
+) -> None:
+    """Tensor parallelism splits heads, the feed-forward width (None: not known yet) and, sequence
+    parallel, the sequence."""
+    tp = layout.tp
+    if tp == 1:
+        return
+    for name, value in (
+        ("model.n_heads", n_heads),
+        ("model.n_kv_heads", n_kv_heads),
+        ("the feed-forward width", hidden),
+        ("data.seq_len", seq_len),
+    ):
+        if value is not None and value % tp:
+            raise ConfigError(f"parallel.tp {tp} must divide {name} ({value}); pick a tp that divides it")
+    if tied:
+        raise ConfigError(
+            "parallel.tp > 1 with model.tie_embeddings is not supported (the embedding and the output head would be "
+            "split two ways); set parallel.tp: 1 (FSDP/HSDP alone), or model.tie_embeddings: false"
+        )
+
+
+def unit(settings) -> int:
+    """Ranks the world grows and shrinks by: one whole (dp_shard x tp) group, or one TP group."""
+    tp = settings.tp if isinstance(settings.tp, int) else 1
+    shard = settings.dp_shard if isinstance(settings.dp_shard, int) else 1
+    replicate = settings.dp_replicate if isinstance(settings.dp_replicate, int) else 1
+    if settings.dp_shard == AUTO:
+        return replicate * tp
+    return shard * tp
+
+
+def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batch: int) -> list[int]:
+    """World sizes in [lo, hi] the layout and the global batch both allow (elastic runs pick one)."""
+    step = unit(settings)
+    sizes = []
+    for n in range(lo, hi + 1):
+        if n % step:
+            continue
+        try:
+            layout = resolve_layout(settings, n)
+        except ConfigError:
+            continue
+        if global_batch % (micro_batch * layout.dp) == 0:
+            sizes.append(n)
+    return sizes
