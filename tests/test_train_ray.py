@@ -148,6 +148,28 @@ def test_one_worker_equals_two_fsdp_workers(uninterrupted, tmp_path):
         assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.dp_shard=4"],
+        ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+        ["parallel.tp=2", "train.activation_checkpointing=true"],
+        ["parallel.tp=2", "cluster.num_workers=2"],
+    ],
+    ids=["fsdp4", "hsdp2x2", "tp2xfsdp2-ac", "tp2"],
+)
+def test_every_layout_under_ray_train_gives_the_same_losses_and_sequences(uninterrupted, tmp_path, layout):
+    """As under torchrun (tests/test_parallel.py), now as Ray Train workers fed by the stream
+    server: TP peers get the same rows, and the global order is the 2-worker run's."""
+    base, two = uninterrupted
+    workers = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5"]
+    result = run([*base, f"run.dir={tmp_path / 'run'}", *workers, *layout])
+    assert sorted(losses(result)) == list(range(1, 7))
+    for step, loss in losses(result).items():
+        assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
+    assert global_order(tmp_path / "run") == global_order(two.run_dir)
+
+
 def test_rerun_resumes_from_latest_checkpoint(uninterrupted, tmp_path):
     base, full = uninterrupted
     run_dir = f"run.dir={tmp_path / 'split'}"

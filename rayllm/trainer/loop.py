@@ -219,8 +219,9 @@ class Trainer:
         counts = _all_sum([float(c) for c in self.source_counts], self.device)
         total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
         ids = None
-        if self.config.data.record_ids:
-            # The ids trained on since the previous checkpoint, committed with this one.
+        if self.config.data.record_ids and self.counts_data:
+            # The ids trained on since the previous checkpoint, committed with this one (one rank
+            # of each TP group writes them: its peers trained on the same rows).
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
             self._consumed_ids = []
         pending = PendingCheckpoint(self.step, self._state(metrics, total_counts), dict(metrics), ids, final=final)
