@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     bench_recovery.add_argument("overrides", nargs="*", help="dotted overrides, for example run.dir=/tmp/bench")
     bench_recovery.add_argument("--kill-after", type=int, default=12, help="kill a worker once this step is done")
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
+    bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
+    bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
+    bench_gpu.add_argument("--out", help="write every figure to this JSON file")
+    bench_gpu.add_argument("--nproc-per-node", type=int, default=1, help="ranks; more than 1 runs under torchrun")
     bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
     bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
     bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -81,6 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     for p in (gen, evaluate, export):
         p.add_argument("--tokenizer", help="a tokenizer.json instead of the one the checkpoint carries")
         p.add_argument("--endpoint-url", help="S3-compatible endpoint for s3:// paths (credentials: AWS_* variables)")
+    plan = sub.add_parser("plan", help="memory per GPU of a config's step, and the mesh/micro-batch to use")
+    plan.add_argument("config", help="YAML config, for example configs/llama-8b.yaml")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, for example data.seq_len=4096")
+    plan.add_argument("--gpu", help="h100-80gb, h200, a100-80gb or l40s (default: CPU ranks, fp32)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8; CPU: cluster.num_workers)")
+    plan.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: train.micro_batch_size)")
+    plan.add_argument("--layout", help="parallel degrees, for example tp=8,dp_replicate=2 (default: parallel.*)")
     show = sub.add_parser("config", help="print the resolved config")
     show.add_argument("config")
     show.add_argument("overrides", nargs="*")
@@ -93,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare(args)
     if args.command in ("generate", "eval", "export"):
         return _use_model(args)
+    if args.command == "bench" and args.bench_command == "gpu":
+        from rayllm.bench import gpu as bench_gpu
+
+        return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
     from rayllm.config import TrainConfig
     from rayllm.resolve import resolve
 
@@ -101,6 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve(TrainConfig.from_yaml(args.config, overrides=args.overrides))
         if args.command == "config":
             print(config.to_yaml(), end="")
+            return 0
+        if args.command == "plan":
+            from rayllm.parallel import plan as planner
+
+            print(
+                planner.report(
+                    config,
+                    gpu=args.gpu,
+                    nodes=args.nodes,
+                    gpus_per_node=args.gpus_per_node,
+                    micro_batch=args.micro_batch,
+                    layout=args.layout,
+                )
+            )
             return 0
         if args.command == "bench" and args.bench_command == "checkpoint":
             from rayllm.bench import checkpoint as bench_checkpoint

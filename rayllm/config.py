@@ -223,7 +223,9 @@ class ParallelSettings:
     or "auto" (see rayllm.parallel.mesh.resolve_shape)."""
 
     dp_shard: int | str = "auto"  # auto: what the other degrees leave of the world
-    dp_replicate: int | str = 1  # auto: one replica per node when the run spans nodes (GPU)
+    # auto: one replica per node when a GPU run spans whole nodes (HSDP), else 1; with a fixed
+    # dp_shard, what the world leaves (an elastic run then grows by whole dp_shard x tp groups).
+    dp_replicate: int | str = "auto"
     tp: int | str = 1  # auto: 1, or the GPUs of a node for models too large to shard by FSDP alone
 
 

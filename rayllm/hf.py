@@ -223,34 +223,64 @@ def save_hf(model: Llama, tokenizer_json: str | None, out_dir: str, eos_token: s
 
 
 # -- import -----------------------------------------------------------------------------------
-def read_weights(folder: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors folder (one file, or shards listed by an index)."""
-    from safetensors.torch import load_file
-
+def weight_files(folder: str) -> list[str]:
+    """The safetensors files of a folder: one, or the shards its index lists."""
     single = os.path.join(folder, WEIGHTS_FILE)
     index = os.path.join(folder, WEIGHTS_INDEX_FILE)
     if os.path.exists(single):
-        return load_file(single)
+        return [single]
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        weights: dict[str, torch.Tensor] = {}
-        for name in files:
-            weights.update(load_file(os.path.join(folder, name)))
-        return weights
+            return [os.path.join(folder, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
     other = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth"))]
     hint = f" (it has {other[0]}: convert it to safetensors with transformers' save_pretrained)" if other else ""
     raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
 
 
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors folder, whole (loading a model onto one device)."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        weights.update(load_file(path))
+    return weights
+
+
+def from_hf_file(path: str, args: ModelArgs, folder: str) -> dict[str, torch.Tensor]:
+    """The rayllm tensors one safetensors file of ``folder`` holds, converted and shape-checked
+    (a folder converted file by file never needs all its weights in memory at once)."""
+    from safetensors.torch import load_file
+
+    theirs = load_file(path)
+    ours_of = {t: o for o, t in weight_names(args).items()}
+    expected = _expected_shapes(args)
+    out = {}
+    for name, w in theirs.items():
+        ours = ours_of.get(name)
+        if ours is None:
+            continue  # rotary tables and other tensors rayllm derives
+        heads = _rotary_heads(ours, args)
+        w = w.to(torch.float32)
+        out[ours] = w if heads is None else _to_pairs(w, heads)
+        _check_shape(folder, ours, out[ours], expected)
+    return out
+
+
+def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):  # shapes only: nothing allocated
+        return {k: tuple(v.shape) for k, v in Llama(args).state_dict().items()}
+
+
+def _check_shape(folder: str, name: str, tensor: torch.Tensor, expected: dict[str, tuple[int, ...]]) -> None:
+    if tuple(tensor.shape) != expected[name]:
+        raise CheckpointError(f"{folder}: weight for {name} is {tuple(tensor.shape)}, the model needs {expected[name]}")
+
+
 def read_model_state(folder: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     """The folder's weights under rayllm's names and layout, checked against the shapes ``args`` gives."""
     state = from_hf_state(read_weights(folder), args, folder)
-    with torch.device("meta"):  # shapes only: nothing allocated
-        expected = Llama(args).state_dict()
+    expected = _expected_shapes(args)
     for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(
-                f"{folder}: weight for {name} is {tuple(tensor.shape)}, the model needs {tuple(expected[name].shape)}"
-            )
+        _check_shape(folder, name, tensor, expected)
     return state

@@ -179,6 +179,42 @@ def scenario_elastic(overrides, root, cluster, nodes):
     return summary(run_dir, box, events=events)
 
 
+def scenario_init_from(overrides, root):
+    """model.init_from on the worker nodes: the driver converts the folder into the run dir, and
+    the folder is moved away as soon as that is done, before any worker could read it. Returns
+    the loss the folder's model gives the first global batch, computed whole in this process."""
+    import torch
+
+    import rayllm
+    from rayllm.data.order import local_stream
+    from rayllm.data.plan import prepare_data
+    from rayllm.hf import save_hf
+    from rayllm.model import Llama
+    from rayllm.trainer.loop import model_args
+
+    run_dir, folder = f"{root}/init_from", f"{root}/hf"
+    run = [*overrides, f"run.dir={run_dir}", "train.max_steps=3"]
+    shape = TrainConfig.from_yaml("configs/tiny.yaml", overrides=run)
+    with open(shape.data.tokenizer) as f:
+        tokenizer = f.read()
+    model = Llama(model_args(shape), seed=7)
+    with torch.no_grad():  # peaked logits: a loss far from a fresh start's ln(vocab)
+        model.output.weight.mul_(50.0)
+    save_hf(model, tokenizer, folder, None, None)
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*run, f"model.init_from={folder}"])
+    rows, _ = next(local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size))
+    thread, box = run_in_thread(config)
+    moved = wait_for(lambda: os.path.exists(f"{run_dir}/init_from/rayllm_import.json"), timeout=120)
+    if moved:
+        os.rename(folder, f"{folder}-moved")
+    thread.join()
+    model = rayllm.load(f"{folder}-moved").model if moved else None
+    with torch.no_grad():
+        tokens = torch.from_numpy(rows["tokens"]).long()
+        expected = model(tokens[:, :-1], tokens[:, 1:]).item() if model is not None else None
+    return summary(run_dir, box, moved=moved, expected_first_loss=expected)
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     # A dashboard port of its own: the test session's local Ray already serves the default one,

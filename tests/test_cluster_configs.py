@@ -20,6 +20,7 @@ import yaml
 from rayllm import TrainConfig
 from rayllm.autoscaler import spot_first
 from rayllm.model import Llama, num_params
+from rayllm.parallel.layout import resolve_layout, usable_world_sizes
 from rayllm.trainer.loop import model_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +125,7 @@ PUBLISHED = {  # parameters, from the published configs (Llama: exact; GPT-2: wi
     "llama-1b.yaml": (1_235_814_400, 0.0),  # Llama 3.2 1B
     "llama-1b-1gpu.yaml": (1_235_814_400, 0.0),  # the same on one GPU
     "llama-8b.yaml": (8_030_261_248, 0.0),  # Llama 3.1 8B
+    "llama-70b.yaml": (70_553_706_496, 0.0),  # Llama 3.1 70B
     "gpt2-124m.yaml": (124_439_808, 0.01),  # GPT-2 small (its learned positions and biases aside)
 }
 
@@ -137,9 +139,14 @@ def test_presets_have_the_published_architectures_and_batches_that_fit_their_har
     assert abs(num_params(model) - expected) <= tolerance * expected, num_params(model)
     assert config.cluster.use_gpu
     lo, hi = config.worker_range
-    # Whole 8-GPU nodes anywhere in the elastic range keep the global batch (no remainder).
-    for workers in range(lo, hi + 1, 8):
-        assert config.train.global_batch_size % (config.train.micro_batch_size * workers) == 0, workers
+    # The ends of the elastic range lay out on whole 8-GPU nodes and keep the global batch; an
+    # elastic run takes only such sizes in between (rayllm.trainer.ray_trainer.WholeLayoutsPolicy).
+    t = config.train
+    usable = usable_world_sizes(config.parallel, lo, hi, t.global_batch_size, t.micro_batch_size)
+    assert lo in usable and hi in usable, usable
+    for workers in usable:
+        layout = resolve_layout(config.parallel, workers, ranks_per_node=8, n_params=expected, use_gpu=True)
+        assert t.global_batch_size % (t.micro_batch_size * layout.dp) == 0, workers
 
 
 def _availability(failed: list[str]):

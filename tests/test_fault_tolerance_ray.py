@@ -39,7 +39,7 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
         "overrides": overrides,
         "root": str(root),
         "dashboard_port": free_port(),
-        "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic"],
+        "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic", "init_from"],
     }
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
@@ -103,3 +103,15 @@ def test_node_removed_and_added_back_resizes_2_1_2_with_the_same_trajectory(scen
     assert {r["world_size"] for r in run["train"]} == {1, 2}
     # 1 and 2 workers compute the same global batch; only float summation order differs.
     assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-3
+
+
+def test_init_from_a_folder_only_the_driver_reads_gives_its_loss_at_the_first_step(scenarios):
+    """model.init_from on 2 worker nodes: the workers never touch the folder (moved away once the
+    driver has converted it), and the first step's loss is the folder model's on that batch."""
+    run = scenarios["init_from"]
+    assert run["moved"] and run["error"] is None, run["error"]
+    first = run["train"][0]
+    assert first["step"] == 1 and run["starts"][0]["world_size"] == 2
+    assert abs(first["loss"] - run["expected_first_loss"]) / run["expected_first_loss"] <= 1e-4
+    scratch = scenarios["reference"]["train"][0]["loss"]
+    assert abs(first["loss"] - scratch) / scratch > 1e-2  # a seed-0 start would not pass

@@ -1,6 +1,6 @@
 """Checkpoints: DCP shards (dcp_io) behind one commit protocol (store)."""
 
-from rayllm.checkpoint.dcp_io import AsyncWriter, check_model_shapes, load, load_full_model_state, reader, save
+from rayllm.checkpoint.dcp_io import AsyncWriter, check_model_shapes, load, reader, save
 from rayllm.checkpoint.store import (
     COMMIT_FILE,
     KEPT_DIR,
@@ -28,7 +28,6 @@ __all__ = [
     "is_complete",
     "is_milestone",
     "load",
-    "load_full_model_state",
     "read_state",
     "reader",
     "require_complete",

@@ -16,9 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 from torch.optim import Optimizer
@@ -28,7 +26,7 @@ from rayllm.errors import CheckpointError
 from rayllm.storage import filesystem, is_remote, storage_options
 
 
-def _writer(uri: str, storage: StorageSettings):
+def writer(uri: str, storage: StorageSettings):
     if not is_remote(uri):
         os.makedirs(uri, exist_ok=True)
         return dcp.FileSystemWriter(uri)
@@ -50,7 +48,7 @@ def reader(uri: str, storage: StorageSettings):
 def save(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:
     """Collective: every rank writes its shards into the folder ``uri``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(uri, storage))
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer(uri, storage))
 
 
 class AsyncWriter:
@@ -81,7 +79,7 @@ class AsyncWriter:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=_writer(uri, storage),
+            storage_writer=writer(uri, storage),
             process_group=self._group,
             async_stager=self._stager,
         )
@@ -113,15 +111,6 @@ def check_model_shapes(
             f"checkpoint {directory} holds a model of another shape than {what} ({shown}). "
             "Set the model section to the shape it was trained with, or point at a checkpoint of this model"
         )
-
-
-def load_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Collective: every rank passes the whole, unsharded model state; each keeps its own shards.
-
-    DCP's ``set_model_state_dict`` does the sharding and maps the names through compile and
-    activation-checkpointing wrappers, as ``get_state_dict`` does for checkpoints.
-    """
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:

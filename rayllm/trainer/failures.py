@@ -4,12 +4,11 @@ Ray Train's default policy retries every worker error up to ``FailureConfig.max_
 A ``RayllmError`` (a bad shard, a config the world size cannot take, a failure that repeated
 at the same step on a fresh attempt, a run that diverged) ends the run at once instead.
 Ray Train 2.60 takes its policy only from its own factory inside ``fit``, so the trainer
-subclass below swaps it in where the controller is created: the one hook it offers.
+subclass in ray_trainer.py swaps it in where the controller is created.
 """
 
 from __future__ import annotations
 
-from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import (
     DefaultFailurePolicy,
     FailureDecision,
@@ -68,11 +67,3 @@ class RayllmFailurePolicy(FailurePolicy):
         if is_fatal(training_failed_error):
             return FailureDecision.RAISE
         return self._default.make_decision(training_failed_error)
-
-
-class RayllmTorchTrainer(TorchTrainer):
-    """TorchTrainer with RayllmFailurePolicy."""
-
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["failure_policy"] = RayllmFailurePolicy(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)

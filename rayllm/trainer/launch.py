@@ -19,11 +19,13 @@ import yaml
 from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
+from rayllm.parallel.layout import usable_world_sizes
 from rayllm.ray_runtime import connect_ray, wait_for_room, worker_bundle
 from rayllm.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.trainer import faults
 from rayllm.trainer.control import RunControl
 from rayllm.trainer.failures import failure_message
+from rayllm.trainer.loop import import_init_weights
 from rayllm.trainer.monitor import RunMonitor
 from rayllm.trainer.signals import StopSignals
 
@@ -125,6 +127,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     started = time.time()
     log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
     plans = prepare_data(config, log=log)
+    import_init_weights(config, log)
     resolved = yaml.safe_dump(config.redacted(), sort_keys=False)
     write_text(join(config.run.dir, "config.yaml"), resolved, config.data.storage)
     connect_ray(config)
@@ -133,7 +136,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     import ray.train
     from ray.util.queue import Queue
 
-    from rayllm.trainer.failures import RayllmTorchTrainer
+    from rayllm.trainer.ray_trainer import RayllmTorchTrainer
     from rayllm.trainer.ray_worker import train_loop_per_worker
 
     monitor = RunMonitor(config, quiet=quiet)
@@ -151,6 +154,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     plans = plans.with_storage(sealed)
     storage_path, name, fs = _storage(config, sealed)
     lo, hi = config.worker_range
+    t = config.train
     trainer = RayllmTorchTrainer(
         train_loop_per_worker,
         # The config travels redacted; its credentials go as a Ray object, never shown as text.
@@ -177,6 +181,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             worker_runtime_env={"env_vars": {**_thread_env(config), **_signal_hook_env()}},
         ),
+        usable_world_sizes=usable_world_sizes(config.parallel, lo, hi, t.global_batch_size, t.micro_batch_size),
     )
     stop = threading.Event()
 

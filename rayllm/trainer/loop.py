@@ -7,6 +7,8 @@ worker and under plain torchrun.
     restore (DCP, resharded) -> [step-0 validation] -> loop:
         global batch rows for this rank -> micro-batches: forward/backward (accumulate)
         -> clip -> lr -> optimizer step -> log / validate / checkpoint
+
+Components: MetricWindow (metrics.py), Validator (validation.py), Checkpointer (checkpointer.py).
 """
 
 from __future__ import annotations
@@ -22,24 +24,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayllm import checkpoint
+from rayllm.checkpoint import hf_import
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data import tokenizer as tokenizers
-from rayllm.data.order import DataState, StreamPlan, local_stream, rank_slice
+from rayllm.data.order import DataState, StreamPlan
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.errors import RayllmError
-from rayllm.hardware import keep_freed_memory, matmul_peak_flops, peak_resident_bytes
-from rayllm.hf import read_model_state
+from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
-from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
 from rayllm.parallel.fsdp import accumulate
 from rayllm.parallel.layout import Layout, resolve_layout
 from rayllm.parallel.tp import loss_context
 from rayllm.trainer import faults
 from rayllm.trainer.checkpointer import Checkpointer, PendingCheckpoint
+from rayllm.trainer.metrics import MetricWindow, all_sum, plain
 from rayllm.trainer.schedule import lr_at
+from rayllm.trainer.validation import Validator
 
 
 class Session(Protocol):
@@ -58,26 +59,21 @@ class Session(Protocol):
     ) -> Iterator[tuple[np.ndarray, DataState]]:
         """This rank's rows of each global batch from ``consumed`` on, with the data state after each:
         slice ``rank // ranks_per_slice`` of ``world_size // ranks_per_slice`` (TP peers share one)."""
-        ...
 
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         """Collective: a complete checkpoint exists at ``uri`` (Ray Train records it for retention)."""
-        ...
 
     def report(self, metrics: dict[str, Any]) -> None:
         """Collective: final metrics without a checkpoint."""
-        ...
 
     def stop_requested(self) -> bool:
         """Whether a stop (SIGTERM, SIGINT) was asked for; the loop agrees on it across ranks."""
-        ...
 
     def preempted(self) -> bool:
         """Whether this rank's process was asked to stop on its own (a reclaimed node): the run
         checkpoints at the step all ranks agree on, then restarts."""
-        ...
 
     def emit(self, record: dict[str, Any]) -> None: ...
 
@@ -93,6 +89,12 @@ def model_args(config: TrainConfig) -> ModelArgs:
     return ModelArgs(**shape, max_seq_len=config.data.seq_len)
 
 
+def import_init_weights(config: TrainConfig, log) -> None:
+    """Driver (or torchrun's rank 0): model.init_from's folder converted into the run dir, once."""
+    if config.model.init_from:
+        hf_import.convert(config.model.init_from, model_args(config), config.run.dir, config.data.storage, log)
+
+
 def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; norms and other 1-D weights get no weight decay."""
     t = config.train
@@ -103,18 +105,6 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.d
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor (loss_parallel's is a replicated DTensor)."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _all_sum(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
 def agreed_ranks_per_node(session: Session) -> int | None:
     """Ranks per node when every node runs the same number (what HSDP's "auto" needs), else None."""
     if session.world_size == 1:
@@ -122,12 +112,6 @@ def agreed_ranks_per_node(session: Session) -> int | None:
     t = torch.tensor([session.local_world_size, -session.local_world_size], dtype=torch.int64, device=session.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t[0]) if int(t[0]) == -int(t[1]) else None
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return peak_resident_bytes()
 
 
 class Trainer:
@@ -173,9 +157,6 @@ class Trainer:
         self.source_counts_before = np.zeros_like(self.source_counts)  # all ranks', before this attempt
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
-        self._val_rows: list[np.ndarray] | None = None
-        self._tokenizer = None  # for samples, loaded on first use
-        self._eos: int | None = None
         self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
         # Two gloo groups of their own: one for the background writer's collectives, one for the
         # per-step control flags. Collectives from two threads on one group would interleave.
@@ -189,7 +170,9 @@ class Trainer:
         uri = self.checkpointer.latest()
         if uri is None:
             if self.config.model.init_from:  # continued pretraining: read only when starting afresh
-                checkpoint.load_full_model_state(self.model, read_model_state(self.config.model.init_from, self.args))
+                # The driver converted the folder into the run dir (hf_import): no rank reads the folder.
+                uri = hf_import.import_uri(self.config.run.dir)
+                hf_import.load(self.model, uri, self.config.data.storage)
             return
         state = self.checkpointer.restore(uri, self.model, self.optimizer)
         self.step, self.consumed = state["step"], state["consumed"]
@@ -216,7 +199,7 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------
     def _checkpoint(self, metrics: dict[str, Any], final: bool) -> None:
         """Collective: checkpoint this step (see Checkpointer)."""
-        counts = _all_sum([float(c) for c in self.source_counts], self.device)
+        counts = all_sum([float(c) for c in self.source_counts], self.device)
         total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
         ids = None
         if self.config.data.record_ids and self.counts_data:
@@ -256,11 +239,6 @@ class Trainer:
         )
 
     # -- steps ---------------------------------------------------------------------------
-    def _loss(self, rows: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of rows (B, T + 1); under TP, call inside ``loss_context``."""
-        inputs, targets = rows[:, :-1], rows[:, 1:]  # (B, T) each
-        return self.model(inputs, targets)
-
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
         t = self.config.train
@@ -279,11 +257,11 @@ class Trainer:
         def backward(rows_i: torch.Tensor) -> None:
             nonlocal total
             with loss_context(self.layout.tp):
-                loss = self._loss(rows_i) / len(micro)
+                loss = self.model(rows_i[:, :-1], rows_i[:, 1:]) / len(micro)  # mean cross-entropy, (B, T) each
                 if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
                     loss = loss * faults.loss_scale(self.step + 1)
                 loss.backward()
-            total += _local(loss.detach())  # summed on the device: one sync per step, not per micro-batch
+            total += plain(loss.detach())  # summed on the device: one sync per step, not per micro-batch
 
         accumulate(self.model, micro, backward)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
@@ -303,187 +281,69 @@ class Trainer:
         self.consumed += t.global_batch_size
         return loss_value, norm_value
 
-    def samples(self) -> list[dict[str, str]]:
-        """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them)."""
-        t = self.config.train
-        if t.sample_tokens <= 0 or not t.sample_prompts or self.layout.tp > 1:
-            return []  # (decoding one position at a time cannot be split along the sequence by TP)
-        if self._tokenizer is None:
-            source = self.session.train_plan.sources[0]
-            self._tokenizer = tokenizers.load(source.tokenizer_json, "the run's tokenizer")
-            self._eos = tokenizers.eos_id(self._tokenizer)
-        prompts = [self._tokenizer.encode(p, add_special_tokens=False).ids for p in t.sample_prompts]
-        outputs = greedy_continuations(self.model, prompts, t.sample_tokens, self.args.max_seq_len, self.device)
-        results = []
-        for prompt, ids in zip(t.sample_prompts, outputs, strict=True):
-            if self._eos in ids:
-                ids = ids[: ids.index(self._eos)]
-            results.append({"prompt": prompt, "text": prompt + self._tokenizer.decode(ids)})
-        return results
-
-    @torch.no_grad()
-    def validate(self) -> float | None:
-        plan = self.session.val_plan
-        if plan is None:
-            return None
-        t = self.config.train
-        if self._val_rows is None:
-            # Validation data is small (val_batches x global batch): each rank reads it in-process.
-            batches = local_stream(plan, global_batch=t.global_batch_size)
-            self._val_rows = [
-                rank_slice(rows, self.data_rank, self.layout.dp)
-                for _, (rows, _) in zip(range(t.val_batches), batches, strict=False)
-            ]
-        self.model.eval()
-        total, count = 0.0, 0
-        for rows in self._val_rows:
-            batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
-            for rows_i in batch.split(t.micro_batch_size):
-                with loss_context(self.layout.tp):
-                    total += _local(self._loss(rows_i)).item() * len(rows_i)
-                count += len(rows_i)
-        self.model.train()
-        total, count = _all_sum([total, count], self.device)
-        return total / count if count else None
-
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         t, session = self.config.train, self.session
-        if dist.is_initialized():
-            self._control_group = dist.new_group(backend="gloo")  # collectives: every rank, here
-            checkpoint_group = dist.new_group(backend="gloo")
-        else:
-            checkpoint_group = None
+        # Collectives, every rank here: the control flags' group, then the background writer's.
+        groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
+        self._control_group, checkpoint_group = groups
         self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group)
         self.restore()
-        rank0 = session.rank == 0
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
         if self.step >= end:
-            if rank0:
-                session.emit({"kind": "done", "step": self.step, **self.last_metrics})
+            self._emit("done", **{"step": self.step, **self.last_metrics})
             session.report(self.last_metrics)
             self.checkpointer.close()
             return self.last_metrics
-        tokens_per_step = t.global_batch_size * self.config.data.seq_len
         fpt = flops_per_token(self.args, self.config.data.seq_len)
         # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
-        (peak_flops,) = _all_sum([matmul_peak_flops(self.device)], self.device)
-        if rank0:
-            session.emit(
-                {
-                    "kind": "start",
-                    "step": self.step,
-                    "world_size": session.world_size,
-                    "params": self.n_params,
-                    "flops_per_token": fpt,
-                    "peak_flops": peak_flops,
-                    "restarts": self.restarts,
-                    "accum_steps": self.accum,
-                    "layout": self.layout.describe(),
-                }
-            )
+        (peak_flops,) = all_sum([matmul_peak_flops(self.device)], self.device)
+        self._emit(
+            "start",
+            step=self.step,
+            world_size=session.world_size,
+            params=self.n_params,
+            flops_per_token=fpt,
+            peak_flops=peak_flops,
+            restarts=self.restarts,
+            accum_steps=self.accum,
+            layout=self.layout.describe(),
+        )
         batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
-        if self.step == 0:
-            val = self.validate()
-            if rank0 and val is not None:
-                session.emit({"kind": "val", "step": 0, "val_loss": val})
-        window_loss, window_steps, window_wait = 0.0, 0, 0.0
-        window_start = time.perf_counter()
+        # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
+        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
+        if self.step == 0 and (val := validator.loss()) is not None:
+            self._emit("val", step=0, val_loss=val)
+        window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.source_counts_before)
         metrics: dict[str, Any] = dict(self.last_metrics)
-        first = True
-        skips_reported = len(self.data_state.skipped)
+        start = self.step
         while self.step < end:
-            faults.maybe_pause_before(self.step + 1)
-            faults.maybe_raise_at(self.step + 1, session.rank)
-            wait_start = time.perf_counter()
-            rows, data_state = next(batches)
-            window_wait += time.perf_counter() - wait_start
-            loss, grad_norm = self.train_step(rows)
-            self.data_state = data_state
-            if rank0 and len(data_state.skipped) > skips_reported:
-                session.emit({"kind": "skipped", "step": self.step, "shards": data_state.skipped[skips_reported:]})
-                skips_reported = len(data_state.skipped)
-            if rank0 and first:
-                session.emit({"kind": "first_step", "step": self.step})
-            first = False
-            if self.nonfinite_in_row:
-                if rank0:
-                    session.emit(
-                        {
-                            "kind": "nonfinite",
-                            "step": self.step,
-                            "loss": loss,
-                            "grad_norm": grad_norm,
-                            "in_row": self.nonfinite_in_row,
-                        }
-                    )
-                if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
-                    raise self._diverged()
-                loss = 0.0  # kept out of the logged mean below
-            window_loss += loss
-            window_steps += 1
+            self._train_next(batches, window, first=self.step == start)
             busy, stop, due, preempted = self._control()
             if self.checkpointer.pending is not None and not busy:
                 self.checkpointer.commit(self.checkpointer.pending)
             last = self.step == end or stop or preempted is not None
-            if self.step % t.log_every == 0 or last:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - window_start
-                loss_sum, wait_sum, *counts = _all_sum([window_loss, window_wait, *self.source_counts], self.device)
-                mixture = self._mixture(counts)
-                tps = tokens_per_step * window_steps / elapsed
-                mean_loss = loss_sum / session.world_size / window_steps
-                metrics.update(
-                    {
-                        "step": self.step,
-                        "loss": mean_loss,
-                        "perplexity": math.exp(min(mean_loss, 50.0)),
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "grad_norm": grad_norm,
-                        "tokens": self.consumed * self.config.data.seq_len,
-                        "tokens_per_s": tps,
-                        "tokens_per_s_per_worker": tps / session.world_size,
-                        "flops_per_s": tps * fpt,
-                        "mfu": tps * fpt / peak_flops,
-                        "step_time_s": elapsed / window_steps,
-                        "data_wait_frac": wait_sum / session.world_size / elapsed,
-                        "peak_memory_bytes": _peak_memory(self.device),
-                        "world_size": session.world_size,
-                        "restarts": self.restarts,
-                        "skipped_shards": len(self.data_state.skipped),
-                    }
-                )
-                if rank0:
-                    session.emit({"kind": "train", **metrics, "mixture": mixture})
-                window_loss, window_steps, window_wait = 0.0, 0, 0.0
+            log = self.step % t.log_every == 0 or last
+            if log:
+                self._log(window, metrics)
             if self.step % t.val_every == 0 or last:
-                val = self.validate()
-                if val is not None:
-                    metrics["val_loss"] = val
-                    if rank0:
-                        session.emit({"kind": "val", "step": self.step, "val_loss": val})
-                samples = self.samples()
-                if rank0 and samples:
-                    session.emit({"kind": "samples", "step": self.step, "samples": samples})
+                self._validate(validator, metrics)
             # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
             if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
                 self._checkpoint(metrics, final=last)
             if preempted is not None:
                 self.checkpointer.close()
-                if rank0:
-                    session.emit({"kind": "preempted", "step": self.step, "rank": preempted})
+                self._emit("preempted", step=self.step, rank=preempted)
                 raise WorkerPreempted(
                     f"rank {preempted} was asked to stop (SIGTERM or a preemption notice); checkpointed at step "
                     f"{self.step}, restarting from there"
                 )
             if stop:
                 self.stopped = True
-                if rank0:
-                    session.emit({"kind": "stopped", "step": self.step})
+                self._emit("stopped", step=self.step)
                 break
-            if self.step % t.log_every == 0 or last:
-                window_start = time.perf_counter()
+            if log:
+                window.start()  # the next window's clock: validation and checkpoints are not step time
         self.checkpointer.close()
         self.last_metrics = metrics
         close = getattr(session, "close", None)
@@ -491,8 +351,44 @@ class Trainer:
             close()
         return metrics
 
-    def _mixture(self, counts_this_attempt: list[float]) -> dict[str, float]:
-        """The realised share of each source among all sequences trained on so far."""
-        totals = self.source_counts_before + np.asarray(counts_this_attempt, dtype=np.int64)
-        whole = max(1, int(totals.sum()))
-        return {src.name: int(n) / whole for src, n in zip(self.session.train_plan.sources, totals, strict=True)}
+    def _train_next(self, batches: Iterator[tuple[np.ndarray, DataState]], window: MetricWindow, first: bool) -> None:
+        """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
+        train.max_nonfinite_steps non-finite steps in a row."""
+        t = self.config.train
+        faults.maybe_pause_before(self.step + 1)
+        faults.maybe_raise_at(self.step + 1, self.session.rank)
+        with window.waiting():
+            rows, data_state = next(batches)
+        loss, grad_norm = self.train_step(rows)
+        if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
+            self._emit("skipped", step=self.step, shards=skipped)
+        self.data_state = data_state
+        if first:
+            self._emit("first_step", step=self.step)
+        if self.nonfinite_in_row:
+            self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
+            if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
+                raise self._diverged()
+        window.add(loss, grad_norm, finite=not self.nonfinite_in_row)
+
+    def _log(self, window: MetricWindow, metrics: dict[str, Any]) -> None:
+        """Collective: the window's metrics into ``metrics``, and the "train" record."""
+        lr, tokens = self.optimizer.param_groups[0]["lr"], self.consumed * self.config.data.seq_len
+        update, mixture = window.summary(
+            step=self.step, lr=lr, tokens=tokens, skipped_shards=len(self.data_state.skipped), counts=self.source_counts
+        )
+        metrics.update(update)
+        self._emit("train", **metrics, mixture=mixture)
+
+    def _validate(self, validator: Validator, metrics: dict[str, Any]) -> None:
+        """Collective: the validation loss (into ``metrics``) and samples, with their records."""
+        if (val := validator.loss()) is not None:
+            metrics["val_loss"] = val
+            self._emit("val", step=self.step, val_loss=val)
+        if samples := validator.samples():
+            self._emit("samples", step=self.step, samples=samples)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        """A record for the driver: rank 0's (the others would send the same)."""
+        if self.session.rank == 0:
+            self.session.emit({"kind": kind, **fields})

@@ -22,7 +22,7 @@ from rayllm.data.order import DataState, local_stream, rank_slice
 from rayllm.data.plan import DataPlans, prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
-from rayllm.trainer.loop import Trainer
+from rayllm.trainer.loop import Trainer, import_init_weights
 from rayllm.trainer.monitor import RunMonitor
 from rayllm.trainer.signals import StopSignals
 
@@ -85,7 +85,9 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
     rank = dist.get_rank()
     try:
         if rank == 0:
-            plans = prepare_data(config, log=(lambda *_: None) if quiet else print)
+            log = (lambda *_: None) if quiet else print
+            plans = prepare_data(config, log=log)
+            import_init_weights(config, log)
         dist.barrier()
         if rank != 0:
             plans = prepare_data(config, log=lambda *_: None)

@@ -1,0 +1,377 @@
+"""``rayllm plan``: the memory one GPU needs for a training step, from the config alone.
+
+Arithmetic only (no torch, no torch.distributed), the torchtitan/Megatron way: every term is
+bytes per GPU at the step's peak, which comes in backward of a micro-batch after the first,
+when the sharded gradients, the optimizer state and all saved activations coexist. The
+activation terms count the tensors autograd saves in rayllm's own Llama (eager): on CPU they
+match the live bytes of PyTorch's profiler to 0.01% (tests/test_plan.py). On GPU torch.compile fuses the
+norms and saves somewhat less, so the plan errs high.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field, replace
+from functools import cache, partial
+
+from rayllm.errors import ConfigError
+from rayllm.parallel.gpus import GPUS, GpuSpec
+from rayllm.parallel.layout import Layout, check_model_split, resolve_layout
+
+GIB = 2**30
+# CUDA context and kernel images of torch and NCCL, cuBLAS workspaces: ~2 GiB a process, fixed.
+GPU_FRAMEWORK_BYTES = 2 * GIB
+# The caching allocator's fragmentation: 5% of what the step allocates (torchtitan and Megatron
+# runs leave this much between "reserved" and "allocated").
+GPU_ALLOCATOR_SLACK = 0.05
+# On CPU the step runs on glibc's heap, which the Trainer keeps from shrinking (keep_freed_memory):
+# the next micro-batch's tensors only partly fit the holes the last one's left, so the resident
+# peak exceeds the live bytes by 25-36% of the transient bytes (activations, logits) on 8-layer
+# models 512 and 768 wide (docs/parallelism.md).
+CPU_HEAP_SLACK = 0.35
+# NCCL's own buffers for each communicator a rank uses (channels x peers x NCCL_BUFFSIZE).
+NCCL_BYTES_PER_GROUP = 256 * 2**20
+ASSUMED_MFU = 0.4  # for the step-time estimate only
+# recommend() keeps 10% of the GPU free for what the plan does not count (compile's and attention's
+# workspaces, NCCL growing its buffers, a spike of the optimizer step).
+RECOMMEND_HEADROOM = 0.9
+FULL_MATMUL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Parameter counts from the config's model section (what rayllm.model.Llama builds)."""
+
+    d: int
+    layers: int
+    heads: int
+    q: int  # query width: heads x head_dim
+    kv: int  # key/value width: kv_heads x head_dim
+    hidden: int
+    vocab: int
+    block: int  # parameters of one transformer block
+    root: int  # embedding, output head (unless tied) and final norm
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.block + self.root
+
+
+def model_shape(m) -> Shape:
+    hd = m.dim // m.n_heads
+    hidden = m.ffn_hidden or m.ffn_multiple_of * math.ceil(int(8 * m.dim / 3) / m.ffn_multiple_of)
+    q, kv = m.n_heads * hd, m.n_kv_heads * hd
+    block = 2 * m.dim * q + 2 * m.dim * kv + 3 * m.dim * hidden + 2 * m.dim  # wq wo, wk wv, w1 w2 w3, 2 norms
+    root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
+    return Shape(m.dim, m.n_layers, m.n_heads, q, kv, hidden, m.vocab_size, block, root)
+
+
+def _norm_per_token(s: Shape, e: int, tp: int) -> float:
+    """RMSNorm saves its input upcast to fp32 (in fp32: the input itself), the rsqrt, and the normalised
+    value before the weight, all on the sequence shard under sequence parallelism; and its output as
+    the next matmuls see it: gathered to the full sequence under TP."""
+    return (4 * s.d + 4 + e * s.d) / tp + e * s.d
+
+
+def block_bytes_per_token(s: Shape, e: int, tp: int) -> float:
+    """What one block saves for backward, per token, in compute dtype ``e`` bytes: two norms; q and k
+    after rotary, v, SDPA's output and its fp32 logsumexp (flash: no T x T matrix), wo's input; w1's
+    output, SiLU's, w3's and their product. TP splits heads and the feed-forward width."""
+    attention = e * s.q + 2 * e * s.kv + 4 * s.heads + e * s.q + e * s.q
+    return 2 * _norm_per_token(s, e, tp) + (attention + 4 * e * s.hidden) / tp
+
+
+def flops_per_token(s: Shape, seq: int) -> float:
+    """As rayllm.model.flops_per_token: 6 per matmul weight, plus attention's scores and values."""
+    return 6.0 * (s.layers * (s.block - 2 * s.d) + s.d * s.vocab) + 12.0 * s.layers * s.d * seq
+
+
+@dataclass
+class MemoryPlan:
+    layout: Layout
+    micro_batch: int
+    breakdown: dict[str, int]  # bytes per GPU by term (the keys below)
+    activations_without_checkpointing: int
+    activations_with_checkpointing: int
+    total_bytes: int
+    fits: bool | None  # None when no GPU was given (CPU accounting)
+    comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
+    activation_checkpointing: bool = False
+    gpu: GpuSpec | None = None
+    parts: dict[str, int] = field(default_factory=dict)  # the sub-terms the table shows
+    accum: int = 1
+    params: int = 0
+    dtype: str = "fp32"
+    seconds: dict[str, float] = field(default_factory=dict)  # estimated compute and communication per step
+
+    def summary(self) -> str:
+        ac = "on" if self.activation_checkpointing else "off"
+        where = f" of {_gib(self.gpu.memory_bytes)}" if self.gpu else ""
+        fits = "" if self.fits is None else (": fits" if self.fits else ": does NOT fit")
+        return (
+            f"{self.layout.describe()} (dp_replicate {self.layout.dp_replicate} x dp_shard {self.layout.dp_shard} "
+            f"x tp {self.layout.tp}), micro-batch {self.micro_batch} ({self.accum} accumulation steps), "
+            f"activation checkpointing {ac}: {_gib(self.total_bytes)}{where} per {'GPU' if self.gpu else 'rank'}{fits}"
+        )
+
+    def comm_line(self) -> str:
+        c, t = self.comm_bytes_per_step, self.seconds
+        line = (
+            f"communication per {'GPU' if self.gpu else 'rank'} per step: FSDP all-gather {c['fsdp_all_gather'] / 1e9:,.1f} GB, reduce-scatter "
+            f"{c['fsdp_reduce_scatter'] / 1e9:,.1f} GB, HSDP all-reduce {c['hsdp_all_reduce'] / 1e9:,.1f} GB, "
+            f"TP collectives {c['tp_collectives'] / 1e9:,.1f} GB"
+        )
+        if t:
+            line += (
+                f"\n  at link speed: FSDP {t['fsdp']:.2f} s, HSDP {t['hsdp']:.2f} s, TP {t['tp']:.2f} s; "
+                f"compute {t['compute']:.2f} s at {ASSUMED_MFU:.0%} MFU"
+            )
+        return line
+
+    def format(self) -> str:
+        p = self.parts
+        notes = {
+            "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered (2 blocks + root) {p['gathered']:,}",
+            "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded block and root {p['grad_unsharded']:,}",
+            "optimizer": "AdamW exp_avg + exp_avg_sq, fp32, sharded",
+            "activations": f"without checkpointing {_gib(self.activations_without_checkpointing)}, "
+            f"with {_gib(self.activations_with_checkpointing)}",
+            "logits_loss": "logits/tp: fp32 log-softmax, its gradient and the input's; final norm",
+            "comm_buffers": "NCCL buffers per process group, FSDP copy-in/out",
+            "framework_reserve": "CUDA context, kernels, cuBLAS" if self.gpu else "measured: process with torch",
+            "allocator_slack": "5% caching-allocator fragmentation" if self.gpu else "35% of transients: heap holes",
+        }
+        lines = [f"rayllm plan: {self.params:,} parameters, {self.dtype} compute", "  " + self.summary()]
+        lines.append(f"  {'term':<18} {'GiB':>8} {'bytes':>17}  what")
+        for name, value in self.breakdown.items():
+            lines.append(f"  {name:<18} {value / GIB:8.2f} {value:>17,}  {notes.get(name, '')}")
+        lines.append(f"  {'total':<18} {self.total_bytes / GIB:8.2f} {self.total_bytes:>17,}")
+        lines.append("  " + self.comm_line())
+        return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def gpu_spec(gpu: str | GpuSpec | None) -> GpuSpec | None:
+    if gpu is None or isinstance(gpu, GpuSpec):
+        return gpu
+    if gpu not in GPUS:
+        raise ConfigError(f"unknown GPU {gpu!r}; choose one of: {', '.join(GPUS)}")
+    return GPUS[gpu]
+
+
+@cache
+def measured_framework_bytes() -> int:
+    """A fresh process's resident memory once torch is imported: a CPU rank's baseline before the model."""
+    code = "import torch, rayllm.hardware as h; print(h.resident_bytes())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def plan_memory(
+    config,
+    *,
+    gpu: str | GpuSpec | None,
+    nodes: int = 1,
+    gpus_per_node: int = 1,
+    layout: Layout | None = None,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool | None = None,
+    framework_bytes: int | None = None,
+) -> MemoryPlan:
+    """Bytes per GPU (per CPU rank when ``gpu`` is None) of ``config``'s step on nodes x gpus_per_node."""
+    spec = gpu_spec(gpu)
+    s, t = model_shape(config.model), config.train
+    world = nodes * gpus_per_node
+    if layout is None:
+        layout = resolve_layout(
+            config.parallel, world, ranks_per_node=gpus_per_node, n_params=s.total, use_gpu=spec is not None
+        )
+    _check_split(layout, config)
+    micro = micro_batch or t.micro_batch_size
+    ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    e = 2 if t.precision == "bf16" or (t.precision == "auto" and spec is not None) else 4
+    tp, shard, dp = layout.tp, layout.dp_shard, layout.dp
+    tokens = micro * config.data.seq_len
+    fsdp = dp > 1 or e != 4 or t.cpu_offload  # as rayllm.parallel.apply.needs_fsdp
+    on_gpu_state = 0 if t.cpu_offload else 1  # offload keeps the sharded state in CPU memory
+
+    # Parameters: the fp32 master copy, sharded over dp_shard x tp (HSDP replicates it across
+    # dp_replicate). FSDP all-gathers each block in compute dtype for its forward and backward, the
+    # next one prefetched: 2 blocks in flight, and the root (embedding, head) stays gathered for the
+    # whole step. On one rank nothing reshards: the whole model stays gathered.
+    param_shard = 4 * math.ceil(s.total / (shard * tp)) * on_gpu_state
+    gathered_params = (min(2, s.layers) * s.block + s.root if dp > 1 else s.total) / tp
+    gathered = int(gathered_params * e) if fsdp else 0
+    # Gradients: fp32, sharded like the parameters (every micro-batch is reduce-scattered, so they
+    # stay sharded across accumulation), plus one block's unsharded gradient in compute dtype and
+    # its fp32 reduce-scatter input, and the root's, reduced only when backward ends.
+    grad_shard = param_shard
+    grad_unsharded = int((s.block * (e + 4) + s.root * e) / tp) if fsdp else 0
+    # AdamW (fused): exp_avg and exp_avg_sq in fp32, sharded like the parameters.
+    optimizer = 2 * param_shard
+    # Activations of one micro-batch; with checkpointing each block keeps only its input (on the
+    # sequence shard under TP) and one block at a time is recomputed in full during backward.
+    per_block = block_bytes_per_token(s, e, tp) * tokens
+    act_full = int(s.layers * per_block)
+    act_ac = int(s.layers * e * s.d * tokens / tp + per_block)
+    # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
+    # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
+    logits_loss = int(tokens * (s.vocab / tp * 12 + _norm_per_token(s, e, tp)))
+    activations = act_ac if ac else act_full
+    # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs.
+    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, tp) if n > 1)
+    comm = groups * NCCL_BYTES_PER_GROUP + int(2 * s.block / (shard * tp) * (2 * e + 4)) if spec and world > 1 else 0
+    breakdown = {
+        "parameters": param_shard + gathered,
+        "gradients": grad_shard + grad_unsharded,
+        "optimizer": optimizer,
+        "activations": activations,
+        "logits_loss": logits_loss,
+        "comm_buffers": comm,
+    }
+    if spec is not None:
+        breakdown["framework_reserve"] = GPU_FRAMEWORK_BYTES
+        breakdown["allocator_slack"] = int(GPU_ALLOCATOR_SLACK * sum(breakdown.values()))
+    else:
+        framework = measured_framework_bytes() if framework_bytes is None else framework_bytes
+        breakdown["framework_reserve"] = framework
+        breakdown["allocator_slack"] = int(CPU_HEAP_SLACK * (activations + logits_loss))
+    total = sum(breakdown.values())
+    accum = max(1, math.ceil(t.global_batch_size / (micro * dp)))
+    comm_bytes = _communication(s, layout, accum, tokens, e, ac)
+    seconds = _seconds(s, layout, spec, comm_bytes, config, ac, gpus_per_node) if spec else {}
+    return MemoryPlan(
+        layout=layout,
+        micro_batch=micro,
+        breakdown=breakdown,
+        activations_without_checkpointing=act_full,
+        activations_with_checkpointing=act_ac,
+        total_bytes=total,
+        fits=None if spec is None else total <= spec.memory_bytes,
+        comm_bytes_per_step=comm_bytes,
+        activation_checkpointing=ac,
+        gpu=spec,
+        parts=dict(param_shard=param_shard, gathered=gathered, grad_shard=grad_shard, grad_unsharded=grad_unsharded),
+        accum=accum,
+        params=s.total,
+        dtype="bf16" if e == 2 else "fp32",
+        seconds=seconds,
+    )
+
+
+def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: bool) -> dict[str, int]:
+    """Bytes each GPU sends per optimizer step (a ring moves (n-1)/n of the data per rank)."""
+    tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
+    ring = (shard - 1) / shard
+    # Forward gathers every parameter; backward gathers the blocks again, but the last and the root.
+    gathered = (s.total + (s.layers - 1) * s.block) / tp * e
+    reduce = s.total / tp * 4  # fp32 reduce dtype, every micro-batch
+    all_reduce = 2 * (rep - 1) / rep * s.total / (tp * shard) * 4 if rep > 1 else 0  # once a step (HSDP)
+    # Sequence parallelism: per block 2 all-gathers + 2 reduce-scatters of (tokens, dim) forward, as many
+    # backward, 4 more to recompute under checkpointing; 4 for the embedding and the head.
+    tp_volume = ((12 if ac else 8) * s.layers + 4) * tokens * s.d * e * (tp - 1) / tp
+    return {
+        "fsdp_all_gather": int(accum * gathered * ring),
+        "fsdp_reduce_scatter": int(accum * reduce * ring),
+        "hsdp_all_reduce": int(all_reduce),
+        "tp_collectives": int(accum * tp_volume),
+    }
+
+
+def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: bool, per_node: int) -> dict:
+    """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its link's speed."""
+    tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
+    compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * ASSUMED_MFU)
+    fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
+    return {
+        "compute": compute * (4 / 3 if ac else 1),
+        "fsdp": (c["fsdp_all_gather"] + c["fsdp_reduce_scatter"]) / fsdp_link,
+        "hsdp": c["hsdp_all_reduce"] / g.inter_node_bytes_per_s,
+        "tp": c["tp_collectives"] / g.intra_node_bytes_per_s,
+    }
+
+
+def _check_split(layout: Layout, config) -> None:
+    m = config.model
+    hidden = model_shape(m).hidden
+    check_model_split(
+        layout, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, hidden=hidden, seq_len=config.data.seq_len,
+        tied=m.tie_embeddings,
+    )  # fmt: skip
+
+
+def candidate_layouts(config, nodes: int, gpus_per_node: int) -> list[Layout]:
+    """FSDP over every GPU, and HSDP with one shard group per node, each with TP 1, 2, 4 or 8 inside a node."""
+    layouts = []
+    for tp in (t for t in (1, 2, 4, 8) if gpus_per_node % t == 0):
+        options = [Layout(1, nodes * gpus_per_node // tp, tp)]
+        options += [Layout(nodes, gpus_per_node // tp, tp)] if nodes > 1 else []
+        for layout in options:
+            try:
+                _check_split(layout, config)
+            except ConfigError:
+                continue
+            layouts.append(layout)
+    return layouts
+
+
+def recommend(config, *, gpu: str | GpuSpec, nodes: int, gpus_per_node: int) -> MemoryPlan:
+    """The fastest-looking plan that fits with RECOMMEND_HEADROOM to spare (else at all; else the smallest),
+    by rules of thumb in this order: no TP (its collectives are on the critical path), no activation
+    checkpointing (a third more compute), micro-batches up to FULL_MATMUL_TOKENS tokens (matmuls full),
+    HSDP across nodes (all-gathers on NVLink), the largest micro-batch that splits the global batch."""
+    spec = gpu_spec(gpu)
+    global_batch, seq = config.train.global_batch_size, config.data.seq_len
+    plan = partial(plan_memory, config, gpu=spec, nodes=nodes, gpus_per_node=gpus_per_node)
+    plans = []
+    for layout in candidate_layouts(config, nodes, gpus_per_node):
+        per_rank = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
+        for ac in (False, True):
+            for micro in (m for m in range(per_rank, 0, -1) if per_rank % m == 0):
+                plans.append(plan(layout=layout, micro_batch=micro, activation_checkpointing=ac))
+    if not plans:
+        raise ConfigError(
+            f"no layout of {nodes} x {gpus_per_node} GPUs splits train.global_batch_size {global_batch} and the model"
+        )
+
+    def preference(p: MemoryPlan) -> tuple:
+        tokens = min(p.micro_batch * seq, FULL_MATMUL_TOKENS)
+        return (p.layout.tp, p.activation_checkpointing, -tokens, p.layout.dp_replicate == 1, -p.micro_batch)
+
+    for ok in (lambda p: p.total_bytes <= RECOMMEND_HEADROOM * spec.memory_bytes, lambda p: p.fits):
+        fitting = [p for p in plans if ok(p)]
+        if fitting:
+            return min(fitting, key=preference)
+    return min(plans, key=lambda p: p.total_bytes)
+
+
+def parse_layout(text: str) -> dict[str, int | str]:
+    """``tp=8,dp_replicate=2`` -> parallel settings to override."""
+    pairs = [item.strip().partition("=")[::2] for item in text.split(",") if item.strip()]
+    if not pairs or any(k.strip() not in ("dp_shard", "dp_replicate", "tp") or not v.strip() for k, v in pairs):
+        raise ConfigError(f"--layout {text!r}: write degrees as tp=8,dp_replicate=2 (dp_shard, dp_replicate, tp)")
+    return {k.strip(): int(v) if v.strip().isdigit() else v.strip() for k, v in pairs}
+
+
+def report(
+    config, *, gpu: str | None, nodes: int, gpus_per_node: int | None, micro_batch: int | None, layout: str | None
+) -> str:
+    """What ``rayllm plan`` prints: the config's own plan, and on GPUs the recommended one."""
+    spec = gpu_spec(gpu)
+    per_node = gpus_per_node or (8 if spec else config.worker_range[1])
+    for name, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--micro-batch", micro_batch or 1)):
+        if value < 1:
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value}")
+    if layout:
+        config.parallel = replace(config.parallel, **parse_layout(layout))
+    plan = plan_memory(config, gpu=spec, nodes=nodes, gpus_per_node=per_node, micro_batch=micro_batch)
+    where = f"{nodes} x {per_node} {spec.name}" if spec else f"{nodes * per_node} CPU rank(s)"
+    out = [f"[{config.run.name} on {where}]", plan.format()]
+    if spec:
+        best = recommend(config, gpu=spec, nodes=nodes, gpus_per_node=per_node)
+        out += ["recommended: " + best.summary(), "  " + best.comm_line()]
+    return "\n".join(out)

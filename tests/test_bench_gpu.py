@@ -1,0 +1,82 @@
+"""``rayllm bench gpu``: the one-GPU run, kept from rotting by running its code on CPU in tiny mode
+(gloo, fp32) under real torchrun, exactly as the GPU machine launches it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import free_port
+
+from rayllm.bench.gpu import bench_config, planner_gpu, published_peak
+from rayllm.config import TrainConfig
+
+
+def _bench(tmp_path, nproc: int) -> tuple[dict, str]:
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "rayllm.bench.gpu", "--tiny"]
+    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _check_step(result: dict, world: int) -> None:
+    step = result["step"]
+    assert result["mode"] == "tiny" and result["backend"] == "gloo" and result["world_size"] == world
+    assert step["tokens_per_s"] > 0 and 0 < step["mfu"]["measured"] <= 1
+    assert step["mfu"]["measured_causal"] < step["mfu"]["measured"]  # attention counted twice as much
+    assert step["memory"]["peak_allocated_bytes"] > 0 and step["memory"]["peak_reserved_bytes"] > 0
+    assert "total_bytes" in step["memory"]["planner"] or "planner" in step["memory"]["planner"]["unavailable"]
+    assert all(m["status"] == "ok" for m in result["mesh_smoke"].values()), result["mesh_smoke"]
+
+
+def test_tiny_mode_on_one_rank_exercises_every_mesh_code_path(tmp_path):
+    result, stdout = _bench(tmp_path, 1)
+    _check_step(result, 1)
+    assert "MFU per rank" in stdout and "mesh smoke" in stdout and "causal-halved" in stdout
+    smoke = result["mesh_smoke"]
+    assert set(smoke) == {"fsdp", "hsdp", "tp+fsdp"}
+    # Same initial weights and batch on every path (TP's untied head starts from the same values).
+    for name in ("hsdp", "tp+fsdp"):
+        assert smoke[name]["losses"] == pytest.approx(smoke["fsdp"]["losses"], rel=1e-5)
+
+
+def test_tiny_mode_on_two_ranks_runs_the_real_layouts(tmp_path):
+    result, _ = _bench(tmp_path, 2)
+    _check_step(result, 2)
+    assert result["step"]["layout"] == "FSDP 2"
+    smoke = result["mesh_smoke"]
+    assert {name: m["what"] for name, m in smoke.items()} == {"fsdp2": "FSDP 2", "tp2": "TP 2", "hsdp2x1": "HSDP 2x1"}
+
+
+def test_rayllm_bench_gpu_runs_it_in_process_without_torchrun(tmp_path):
+    """The CLI runs the same main in its own process, which then sets up a 1-rank group itself."""
+    out = tmp_path / "cli.json"
+    cmd = [sys.executable, "-m", "rayllm.cli", "bench", "gpu", "--tiny", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_step(json.loads(out.read_text()), 1)
+
+
+def test_importing_the_gpu_bench_imports_no_ray():
+    code = "import sys, rayllm.bench.gpu; assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_full_mode_trains_the_one_gpu_config_shape():
+    ours, shipped = bench_config(tiny=False, world=1), TrainConfig.from_yaml("configs/llama-1b-1gpu.yaml")
+    assert ours.model == shipped.model
+    assert ours.data.seq_len == shipped.data.seq_len == 4096
+    assert (ours.train.global_batch_size, ours.train.micro_batch_size) == (32, shipped.train.micro_batch_size)
+    assert ours.cluster.use_gpu and ours.train.precision == "auto" and ours.train.compile == "auto"
+
+
+def test_published_peaks_and_planner_keys_by_device_name():
+    assert published_peak("NVIDIA H100 80GB HBM3") == published_peak("NVIDIA H200") == 989e12
+    assert published_peak("NVIDIA H100 PCIe") is None and published_peak("NVIDIA A100-SXM4-80GB") == 312e12
+    assert published_peak("Tesla T4") is None and published_peak(None) is None
+    assert planner_gpu("NVIDIA H100 80GB HBM3") == "h100-80gb" and planner_gpu("NVIDIA H200") == "h200"
+    assert planner_gpu("NVIDIA A100-SXM4-80GB") == "a100-80gb" and planner_gpu("NVIDIA A100-SXM4-40GB") is None
+    assert planner_gpu("NVIDIA L40S") == "l40s" and planner_gpu("NVIDIA GH200 480GB") is None

@@ -1,0 +1,168 @@
+"""`rayllm plan`: the memory planner's terms against hand arithmetic, GPU fits, and the CPU peak measured."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from rayllm.cli import main
+from rayllm.config import TrainConfig
+from rayllm.parallel.layout import Layout, resolve_layout
+from rayllm.parallel.plan import plan_memory
+
+LLAMA_8B_PARAMS = 8_030_261_248  # Meta's published count for Llama 3.1 8B
+LLAMA_70B_SHAPE = [
+    "model.dim=8192",
+    "model.n_layers=80",
+    "model.n_heads=64",
+    "model.n_kv_heads=8",
+    "model.ffn_hidden=28672",
+    "model.vocab_size=128256",
+]
+# The CPU check's model: the test model scaled up so that model state and activations, not the
+# process's own ~250 MB, make the peak; 2 micro-batches a step, so gradients coexist with activations.
+CPU_MODEL = [
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=4096",
+    "data.seq_len=256",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "cluster.num_workers=1",
+    "train.compile=false",
+]
+
+
+def llama_params(d: int, layers: int, q: int, kv: int, hidden: int, vocab: int) -> tuple[int, int, int]:
+    """(per block, root, total) counted by hand: wq wo, wk wv, w1 w2 w3, two norms; embedding, head, norm."""
+    block = 2 * d * q + 2 * d * kv + 3 * d * hidden + 2 * d
+    root = 2 * vocab * d + d
+    return block, root, layers * block + root
+
+
+def _rows(out: str) -> dict[str, list[int]]:
+    """The table's rows: term -> every whole number of bytes on its line (the total first)."""
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"\s+(\w+)\s+[\d.]+\s+([\d,]+)(.*)", line)
+        if m:
+            rows[m.group(1)] = [int(m.group(2).replace(",", ""))] + [
+                int(x.replace(",", "")) for x in re.findall(r"\d{1,3}(?:,\d{3})+", m.group(3))
+            ]
+    return rows
+
+
+def test_plan_llama_8b_on_4_nodes_of_8_h100(capsys):
+    block, root, params = llama_params(4096, 32, 4096, 1024, 14336, 128256)
+    assert params == LLAMA_8B_PARAMS
+    rc = main(["plan", "configs/llama-8b.yaml", "--gpu", "h100-80gb", "--nodes", "4", "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0
+    rows = _rows(out)
+    # The config's own layout, as a run on 4 nodes of 8 GPUs resolves it: the shard degree divides the state.
+    config = TrainConfig.from_yaml("configs/llama-8b.yaml")
+    layout = resolve_layout(config.parallel, 32, ranks_per_node=8, n_params=params, use_gpu=True)
+    assert layout.tp == 1
+    shard = layout.dp_shard
+    assert f"dp_replicate {layout.dp_replicate} x dp_shard {shard} x tp 1)" in out.split("recommended:")[0]
+    # fp32 master weights, fp32 gradients and AdamW's two fp32 states: 16 bytes a parameter, over 32.
+    assert LLAMA_8B_PARAMS % shard == 0
+    assert rows["parameters"][1] == 4 * LLAMA_8B_PARAMS // shard  # 4,015,130,624 on 8, 1,003,782,656 on 32
+    assert rows["gradients"][1] == 4 * LLAMA_8B_PARAMS // shard
+    assert rows["optimizer"][0] == 8 * LLAMA_8B_PARAMS // shard
+    # On top of the shards: bf16 copies of 2 blocks in flight plus the embedding and head (FSDP's
+    # root, gathered for the whole step); one block's bf16 gradient and its fp32 reduce-scatter input,
+    # and the root's bf16 gradient.
+    assert rows["parameters"][0] == 4 * LLAMA_8B_PARAMS // shard + 2 * (2 * block + root)
+    assert rows["gradients"][0] == 4 * LLAMA_8B_PARAMS // shard + 6 * block + 2 * root
+    total = rows["total"][0]
+    assert sum(v[0] for k, v in rows.items() if k != "total") == total
+    assert total < 81559 * 2**20
+    assert ": fits" in out.split("recommended:")[0]
+    recommended = out.split("recommended:")[1]
+    assert "HSDP 4x8 (dp_replicate 4 x dp_shard 8 x tp 1)" in recommended and ": fits" in recommended
+
+
+def _llama_70b(tp: int) -> TrainConfig:
+    if os.path.exists("configs/llama-70b.yaml"):
+        return TrainConfig.from_yaml("configs/llama-70b.yaml", [f"parallel.tp={tp}"])
+    return TrainConfig.from_yaml("configs/llama-8b.yaml", [*LLAMA_70B_SHAPE, f"parallel.tp={tp}"])
+
+
+def test_plan_llama_70b_needs_tensor_parallelism():
+    config = _llama_70b(8)
+    plan = plan_memory(config, gpu="h100-80gb", nodes=8, gpus_per_node=8)
+    print(plan.format())
+    assert plan.layout.tp == 8 and plan.layout.dp == 8  # TP 8 inside a node, FSDP/HSDP across nodes
+    assert plan.fits
+    _, _, params = llama_params(8192, 80, 8192, 1024, 28672, 128256)
+    assert plan.params == params
+    assert plan.breakdown["optimizer"] == 8 * -(-params // 64)
+    alone = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=1, gpus_per_node=8, layout=Layout(1, 8, 1))
+    print(alone.format())
+    assert not alone.fits  # 16 bytes x 70.6B / 8 GPUs = 141 GB of state alone
+    assert alone.breakdown["optimizer"] + alone.breakdown["parameters"] > 81559 * 2**20
+
+
+def test_plan_agrees_with_measured_cpu_peak():
+    from rayllm.bench.speed import run_ranks
+
+    config = TrainConfig.from_yaml("configs/tiny.yaml", CPU_MODEL)
+    plan = plan_memory(config, gpu=None, nodes=1, gpus_per_node=1, framework_bytes=0)
+    planned = plan.total_bytes - plan.breakdown["framework_reserve"]
+    # The Trainer's real steps in a fresh process: its peak resident memory above what it held before
+    # it built the model (torch imported). Step 2 is the first with AdamW's state from the start.
+    measured = run_ranks(config, 1, 2, threads=1)["peak_bytes"]
+    error = planned / measured - 1
+    print(
+        f"\nrayllm plan on the tiny config (scaled up: dim 512, 8 layers) agrees with the measured CPU peak "
+        f"within 15%: planned {planned:,} bytes, measured {measured:,} bytes ({error:+.1%})"
+    )
+    print(plan.format())
+    assert abs(error) < 0.15
+    # The check can fail: the planner without its optimizer term would be off by more than 15%.
+    assert abs((planned - plan.breakdown["optimizer"]) / measured - 1) > 0.15
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_plan_terms_are_the_live_bytes_pytorch_allocates(checkpointing):
+    """Without the heap's slack, the terms are the bytes PyTorch's profiler sees live at the step's peak."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from rayllm.bench.speed import _trainer, synthetic_rows
+
+    small = ["model.dim=256", "model.n_layers=2", "data.seq_len=128", f"train.activation_checkpointing={checkpointing}"]
+    config = TrainConfig.from_yaml("configs/tiny.yaml", CPU_MODEL + small)
+    trainer = _trainer(config, 0, 1, torch.device("cpu"))
+    rows = synthetic_rows(config, config.train.global_batch_size)
+    trainer.train_step(rows)  # AdamW's state exists from here on
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer.train_step(rows)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    plan = plan_memory(config, gpu=None, nodes=1, gpus_per_node=1, framework_bytes=0)
+    b = plan.breakdown
+    peak += b["parameters"] + b["optimizer"]  # held before the step starts
+    counted = sum(b[k] for k in ("parameters", "gradients", "optimizer", "activations", "logits_loss"))
+    print(f"\nactivation checkpointing {checkpointing}: live peak {peak:,} bytes, planned {counted:,} bytes")
+    if not checkpointing:
+        assert peak == pytest.approx(counted, rel=0.01)
+    else:
+        # The recomputed block and the loss's logits never coexist: the sum errs high by one of them.
+        recomputed = b["activations"] - 2 * 4 * 256 * 4 * 128  # less the 2 blocks' saved fp32 inputs
+        assert peak <= counted <= peak + min(recomputed, b["logits_loss"]) * 1.05
+
+
+def test_plan_unknown_gpu_is_a_one_line_error(capsys):
+    assert main(["plan", "configs/llama-8b.yaml", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "rayllm: error: unknown GPU 'h100'; choose one of: h100-80gb, h200, a100-80gb, l40s"
