@@ -210,7 +210,7 @@ def hf_shape_keys(model_settings) -> tuple[str, ...]:
 
 def check_model(m: ModelSettings, shape: bool = True) -> None:
     """The model section; ``shape=False`` skips the keys model.init_from's folder will set."""
-    _text("model.init_from", m.init_from, "give a local Hugging Face Llama folder, or null", null=True)
+    _text("model.init_from", m.init_from, "give a Hugging Face Llama folder (local or s3://), or null", null=True)
     for key in (k for k in RANGES if k.startswith("model.")):
         if shape or key not in hf_shape_keys(m):
             check_range(key, getattr(m, key.split(".")[1]))

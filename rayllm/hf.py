@@ -16,8 +16,10 @@ import os
 
 import torch
 
+from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
 from rayllm.model import Llama, ModelArgs
+from rayllm.storage import filesystem, is_remote, join, read_text
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -136,14 +138,15 @@ def hf_config(args: ModelArgs, eos_id: int | None) -> dict:
     }
 
 
-def read_config(folder: str) -> dict:
-    path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isdir(folder):
-        raise CheckpointError(f"Hugging Face model folder {folder} does not exist; give a local folder")
-    if not os.path.exists(path):
+def read_config(folder: str, storage: StorageSettings | None = None) -> dict:
+    """The folder's config.json; the folder is local or on object storage (``s3://``)."""
+    fs, path = filesystem(folder, storage or StorageSettings())
+    if not fs.isdir(path):
+        raise CheckpointError(f"Hugging Face model folder {folder} does not exist; give a local or s3:// folder")
+    text = read_text(join(folder, CONFIG_FILE), storage or StorageSettings())
+    if text is None:
         raise CheckpointError(f"{folder} has no {CONFIG_FILE}: it is not a Hugging Face model folder")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(text)
 
 
 def model_args_from_hf(config: dict, folder: str, max_seq_len: int | None = None) -> ModelArgs:
@@ -223,36 +226,43 @@ def save_hf(model: Llama, tokenizer_json: str | None, out_dir: str, eos_token: s
 
 
 # -- import -----------------------------------------------------------------------------------
-def weight_files(folder: str) -> list[str]:
-    """The safetensors files of a folder: one, or the shards its index lists."""
-    single = os.path.join(folder, WEIGHTS_FILE)
-    index = os.path.join(folder, WEIGHTS_INDEX_FILE)
-    if os.path.exists(single):
-        return [single]
-    if os.path.exists(index):
-        with open(index) as f:
-            return [os.path.join(folder, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
-    other = [n for n in os.listdir(folder) if n.endswith((".bin", ".pt", ".pth"))]
-    hint = f" (it has {other[0]}: convert it to safetensors with transformers' save_pretrained)" if other else ""
-    raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint}")
+def weight_files(folder: str, storage: StorageSettings | None = None) -> list[str]:
+    """The safetensors files of a folder, local or ``s3://``: one, or the shards its index lists."""
+    storage = storage or StorageSettings()
+    fs, path = filesystem(folder, storage)
+    if fs.exists(join(path, WEIGHTS_FILE)):
+        return [join(folder, WEIGHTS_FILE)]
+    index = read_text(join(folder, WEIGHTS_INDEX_FILE), storage)
+    if index is not None:
+        return [join(folder, name) for name in sorted(set(json.loads(index)["weight_map"].values()))]
+    other = [n for n in fs.ls(path, detail=False) if n.endswith((".bin", ".pt", ".pth"))]
+    hint = f" (it has {os.path.basename(other[0])}: convert it to safetensors with transformers' save_pretrained)"
+    raise CheckpointError(f"{folder} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}{hint if other else ''}")
+
+
+def _load_safetensors(path: str, storage: StorageSettings) -> dict[str, torch.Tensor]:
+    """A local file is memory-mapped; a remote one is read whole (one file of a folder at a time)."""
+    from safetensors.torch import load, load_file
+
+    if not is_remote(path):
+        return load_file(path)
+    fs, stripped = filesystem(path, storage)
+    with fs.open(stripped, "rb") as f:
+        return load(f.read())
 
 
 def read_weights(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors folder, whole (loading a model onto one device)."""
-    from safetensors.torch import load_file
-
     weights: dict[str, torch.Tensor] = {}
     for path in weight_files(folder):
-        weights.update(load_file(path))
+        weights.update(_load_safetensors(path, StorageSettings()))
     return weights
 
 
-def from_hf_file(path: str, args: ModelArgs, folder: str) -> dict[str, torch.Tensor]:
+def from_hf_file(path: str, args: ModelArgs, folder: str, storage: StorageSettings) -> dict[str, torch.Tensor]:
     """The rayllm tensors one safetensors file of ``folder`` holds, converted and shape-checked
     (a folder converted file by file never needs all its weights in memory at once)."""
-    from safetensors.torch import load_file
-
-    theirs = load_file(path)
+    theirs = _load_safetensors(path, storage)
     ours_of = {t: o for o, t in weight_names(args).items()}
     expected = _expected_shapes(args)
     out = {}

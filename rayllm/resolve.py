@@ -8,29 +8,28 @@ runs record the resolved tree.
 
 from __future__ import annotations
 
-import os
-
 from rayllm.config import HF_SHAPE_KEYS, TrainConfig
 from rayllm.config_checks import check_model
 from rayllm.errors import CheckpointError, ConfigError
+from rayllm.storage import filesystem, join
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
     """``config`` with model.init_from's folder read in; changed in place, so every holder of the tree sees it."""
     folder = config.model.init_from
     if folder:
-        hf = _read_hf_config(folder)
+        hf = _read_hf_config(folder, config)
         _set_shape(config, hf, folder)
         _check_context(config, hf, folder)
         _set_tokenizer(config, folder)
     return config
 
 
-def _read_hf_config(folder: str) -> dict:
+def _read_hf_config(folder: str, config: TrainConfig) -> dict:
     from rayllm.hf import read_config  # rayllm.hf imports torch: only a run from a folder pays for it
 
     try:
-        return read_config(folder)
+        return read_config(folder, config.data.storage)
     except CheckpointError as e:
         raise ConfigError(f"model.init_from: {e}") from None
     except ValueError as e:  # not JSON
@@ -72,6 +71,7 @@ def _set_tokenizer(config: TrainConfig, folder: str) -> None:
     """Unless data.tokenizer is set, the folder's tokenizer.json: the one its weights were trained with."""
     from rayllm.hf import TOKENIZER_FILE
 
-    path = os.path.join(folder, TOKENIZER_FILE)
-    if config.data.tokenizer is None and os.path.exists(path):
+    path = join(folder, TOKENIZER_FILE)
+    fs, stripped = filesystem(path, config.data.storage)
+    if config.data.tokenizer is None and fs.exists(stripped):
         config.data.tokenizer = path

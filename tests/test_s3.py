@@ -1,6 +1,7 @@
 """Training from s3:// data on moto's S3 server (127.0.0.1, HTTP), checkpoints written to s3://."""
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import s3_client
@@ -62,3 +63,42 @@ def test_train_from_s3_with_checkpoints_on_s3_and_resume(ray_local, s3_server, b
     # Credentials never reach the config the run records.
     config_text = bucket.get_object(Bucket="rayllm-test", Key="runs/s3run/config.yaml")["Body"].read().decode()
     assert "secret: <redacted>" in config_text and "testing" not in config_text
+
+
+def test_init_from_a_folder_on_s3_gives_its_loss_at_the_first_step(s3_server, bucket, overrides, tmp_path):
+    """model.init_from=s3://...: the folder is read from object storage once (torchrun's rank 0
+    converts it into the run dir), and two FSDP ranks start from exactly its weights."""
+    import torch
+    from test_torchrun import losses, torchrun
+
+    from rayllm.data.order import local_stream
+    from rayllm.data.plan import prepare_data
+    from rayllm.hf import save_hf
+    from rayllm.model import Llama
+    from rayllm.trainer.loop import model_args
+
+    storage = [
+        f"data.storage.endpoint_url={s3_server}",
+        "data.storage.key=testing",
+        "data.storage.secret=testing",
+        "data.storage.region=us-east-1",
+    ]
+    run = [*overrides, *storage, "train.max_steps=2", "train.log_every=1", "tracking.enabled=false"]
+    run += ["data.val=null", "train.sample_tokens=0", "cluster.use_gpu=false"]
+    shape = TrainConfig.from_yaml("configs/tiny.yaml", overrides=run)
+    model = Llama(model_args(shape), seed=7)
+    with torch.no_grad():  # peaked logits: a loss far from a fresh start's ln(vocab)
+        model.output.weight.mul_(50.0)
+    save_hf(model, Path(shape.data.tokenizer).read_text(), str(tmp_path / "hf"), None, None)
+    for path in (tmp_path / "hf").iterdir():
+        bucket.upload_file(str(path), "rayllm-test", f"models/seed7/{path.name}")
+    run = [o for o in run if not o.startswith("data.tokenizer=")] + ["model.init_from=s3://rayllm-test/models/seed7"]
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=run)
+    rows, _ = next(local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size))
+    assert config.data.tokenizer == "s3://rayllm-test/models/seed7/tokenizer.json"
+    with torch.no_grad():
+        tokens = torch.from_numpy(rows["tokens"]).long()
+        expected = model(tokens[:, :-1], tokens[:, 1:]).item()
+    first = losses(torchrun(2, run))[1]
+    assert abs(first - expected) / expected <= 1e-4, (first, expected)
+    assert expected > 10  # not a fresh start's ln(1024) = 6.9

@@ -22,7 +22,7 @@ from rayllm.checkpoint.dcp_io import reader, writer
 from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
 from rayllm.model import ModelArgs
-from rayllm.storage import join, read_text, write_text
+from rayllm.storage import is_remote, join, read_text, write_text
 
 IMPORT_DIR = "init_from"
 MARKER_FILE = "rayllm_import.json"  # written last: the conversion is complete
@@ -40,14 +40,14 @@ def _marker(uri: str, storage: StorageSettings) -> dict | None:
 def convert(folder: str, args: ModelArgs, run_dir: str, storage: StorageSettings, log=lambda _: None) -> str:
     """The folder as DCP parts under ``run_dir/init_from`` (once: kept for restarts and reruns)."""
     uri = import_uri(run_dir)
-    source = {"folder": os.path.abspath(folder), "model": dataclasses.asdict(args)}
+    source = {"folder": folder if is_remote(folder) else os.path.abspath(folder), "model": dataclasses.asdict(args)}
     done = _marker(uri, storage)
     if done is not None and done["source"] == source:
         return uri
     expected = hf.weight_names(args)
     parts, seen = [], set()
-    for i, path in enumerate(hf.weight_files(folder)):
-        state = hf.from_hf_file(path, args, folder)
+    for i, path in enumerate(hf.weight_files(folder, storage)):
+        state = hf.from_hf_file(path, args, folder, storage)
         seen.update(state)
         part = f"part_{i:05d}"
         dcp.save({"model": state}, storage_writer=writer(join(uri, part), storage), no_dist=True)
