@@ -52,6 +52,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     keep_freed_memory()  # freed memory stays resident: the peak is the peak
+    # The same path once on a tiny model first: lazily imported modules, a CUDA build's libraries,
+    # the first DTensor and FSDP calls' state are the process's, not the model's.
+    with torch.device("meta"):
+        warm = Llama(ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256))
+    warm = parallelize(warm, dtype=torch.float32, layout=Layout(dp_shard=world))
+    warm(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).backward()
+    del warm
     before = resident_bytes()
     reset_peak_resident()
     args = ModelArgs(

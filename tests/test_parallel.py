@@ -12,7 +12,7 @@ import pytest
 from conftest import free_port
 from test_torchrun import losses, torchrun
 
-STEPS = 6
+LEG_STEPS = 5
 # name: (ranks, overrides, the layout the run reports). Global batch 8: HSDP accumulates 2
 # micro-batches of 1 (the cross-replica all-reduce waits for the last), TP x FSDP 2 of 2,
 # TP alone 4 of 2.
@@ -27,7 +27,6 @@ LAYOUTS = {
 @pytest.fixture
 def base(overrides):
     return [o for o in overrides if not o.startswith("run.dir=")] + [
-        f"train.max_steps={STEPS}",
         "train.log_every=1",
         "train.val_every=100",
         "train.checkpoint_every=100",
@@ -42,38 +41,31 @@ def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
         assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
 
 
-def test_every_layout_gives_the_one_process_losses(base, tmp_path):
-    one = losses(torchrun(1, [*base, f"run.dir={tmp_path / 'one'}"]))
-    assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS] < one[1]
-    for name, (nproc, layout, described) in LAYOUTS.items():
-        records = torchrun(nproc, [*base, *layout, f"run.dir={tmp_path / name}"])
-        start = next(r for r in records if r["kind"] == "start")
-        assert (start["world_size"], start["layout"]) == (nproc, described), name
-        _close(losses(records), one, range(1, STEPS + 1))
-
-
-def test_a_checkpoint_resumes_under_any_other_layout(base, tmp_path):
-    """One run through every layout, 2 steps each, each leg resuming the previous leg's
-    checkpoint (FSDP 4 -> HSDP 2x2 -> TP 2 x FSDP 2 -> TP 2 -> FSDP 4): every step's loss is
-    the uninterrupted run's."""
+def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkpoint(base, tmp_path):
+    """One run through every layout, LEG_STEPS steps each, each leg resuming the previous leg's
+    checkpoint: FSDP 4 from the start -> HSDP 2x2 -> TP 2 x FSDP 2 (activation checkpointing) ->
+    TP 2 -> FSDP 4. Every step's loss is the 1-process run's (fp32), so each layout trains like
+    one process and each checkpoint reshards to the next layout."""
     legs = ["fsdp4", "hsdp2x2", "tp2xfsdp2", "tp2", "fsdp4"]
-    steps = 2 * len(legs)
+    steps = LEG_STEPS * len(legs)
     run = [*base, f"train.max_steps={steps}"]
-    full = losses(torchrun(1, [*run, f"run.dir={tmp_path / 'full'}"]))
+    one = losses(torchrun(1, [*run, f"run.dir={tmp_path / 'one'}"]))
+    assert sorted(one) == list(range(1, steps + 1)) and one[steps] < one[1]
     for i, name in enumerate(legs):
-        nproc, layout, _ = LAYOUTS[name]
-        stop = 2 * (i + 1)
+        nproc, layout, described = LAYOUTS[name]
+        stop = LEG_STEPS * (i + 1)
         records = torchrun(nproc, [*run, *layout, f"run.dir={tmp_path / 'legs'}", f"train.stop_at_step={stop}"])
         start = [r for r in records if r["kind"] == "start"][-1]
-        assert start["step"] == stop - 2, name
-        resumed = losses(records[records.index(start) :])
-        assert sorted(resumed) == [stop - 1, stop], name
-        _close(resumed, full, resumed)
+        assert (start["step"], start["world_size"], start["layout"]) == (stop - LEG_STEPS, nproc, described)
+        trained = losses(records[records.index(start) :])
+        assert sorted(trained) == list(range(stop - LEG_STEPS + 1, stop + 1)), name
+        _close(trained, one, trained)
 
 
-# Measured: a 6 MB model (PROBE_DIM=64) gains 42.7 MB at init on each of 4 ranks: the first
-# DTensor and FSDP calls, gloo's buffers. The bound below allows that plus a little.
-FIXED_INIT_BYTES = 48 * 2**20
+# Measured after the probe's warm-up (the same path once on a tiny model): a 6 MB model
+# (PROBE_DIM=64) gains 3-4 MiB at init on each of 4 ranks. The bound allows that and the
+# largest parameter's full copy beside the shards, with room.
+FIXED_INIT_BYTES = 16 * 2**20
 
 
 def probe(tmp_path, *args: str) -> list[dict]:

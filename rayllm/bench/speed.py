@@ -23,6 +23,7 @@ machine that has only PyTorch: ``python -m rayllm.bench.speed CONFIG [key=value 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -242,6 +243,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
     device = _device(config, rank)
     _init_group(config, rank, world_size, port)
     try:
+        _warm_up(config, rank, world_size, device)
         before = resident_bytes()
         reset_peak_resident()
         trainer = _trainer(config, rank, world_size, device)
@@ -267,10 +269,25 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
         dist.destroy_process_group()
 
 
+WARM_UP_SHAPE = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=4", "model.vocab_size=256"]
+
+
+def _warm_up(config: TrainConfig, rank: int, world_size: int, device: torch.device) -> None:
+    """One step of a tiny model through the same code path, before the memory baseline: what the
+    first step loads once (lazily imported modules, a CUDA build's libraries, gloo's and DTensor's
+    first-call state; 50 to 150 MB on CPU, more with a CUDA build of torch) is not the model's."""
+    tiny = config.with_overrides([*WARM_UP_SHAPE, "data.seq_len=16", "train.compile=false"])
+    trainer = _trainer(tiny, rank, world_size, device)
+    trainer.train_step(rank_slice(synthetic_rows(tiny, tiny.train.global_batch_size), rank, world_size))
+    del trainer
+    gc.collect()
+
+
 def run_ranks(config: TrainConfig, world_size: int, steps: int, threads: int = 0) -> dict[str, Any]:
     """``steps`` of the Trainer's step on ``world_size`` fresh processes (the same synthetic global
     batch every step): rank 0's losses, median step time after two warm-up steps, and peak memory
-    (GPU memory allocated; on CPU resident memory above what the process held before the model)."""
+    (GPU memory allocated; on CPU resident memory above what the process held once warmed up by a
+    tiny model's step, before the model)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
