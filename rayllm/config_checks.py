@@ -276,6 +276,13 @@ def check_parallel(config: TrainConfig) -> None:
     from rayllm.parallel.layout import check_model_split, resolve_layout
 
     p, t, m = config.parallel, config.train, config.model
+    if t.compile is True and p.tp not in (1, "auto"):
+        # Seen on torch 2.13 and 2.14 (CPU): backward through a compiled tensor-parallel block hands
+        # DTensor's Redistribute a plain gradient ('Tensor' object has no attribute '_local_tensor').
+        raise ConfigError(
+            "train.compile: true with parallel.tp > 1 is not supported yet (torch.compile of tensor-parallel "
+            "blocks fails in backward on torch 2.13/2.14); set train.compile: auto (off under TP) or false"
+        )
     lo, hi = config.worker_range
     for n in sorted({lo, hi}):
         layout = resolve_layout(p, n)

@@ -22,9 +22,10 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def should_compile(setting: bool | str, device: torch.device) -> bool:
-    """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+def should_compile(setting: bool | str, device: torch.device, tp: int = 1) -> bool:
+    """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
+    and not under tensor parallelism (see config_checks.check_parallel)."""
+    return device.type == "cuda" and tp == 1 if setting == "auto" else bool(setting)
 
 
 def needs_fsdp(layout: Layout, dtype: torch.dtype, cpu_offload: bool) -> bool:
@@ -80,7 +81,7 @@ def parallelize(
         if compile:
             # Per block, as torchtitan does: every block has the same code, so one compiled
             # graph serves all of them, and FSDP's hooks stay outside the compiled region.
-            block = torch.compile(block, fullgraph=layout.tp == 1)
+            block = torch.compile(block, fullgraph=True)
         layers[i] = block
     if compile and layout.tp == 1:
         # The head too: fusing the final norm and the log-softmax over the logits saves ~10% of

@@ -145,7 +145,7 @@ class Trainer:
             layout=self.layout,
             activation_checkpointing=t.activation_checkpointing,
             cpu_offload=t.cpu_offload,
-            compile=should_compile(t.compile, self.device),
+            compile=should_compile(t.compile, self.device, self.layout.tp),
             device=self.device,
             seed=t.seed,
         )
