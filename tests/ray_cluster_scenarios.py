@@ -108,43 +108,44 @@ def scenario_reference(overrides, root):
     return summary(run_dir, box)
 
 
-def scenario_kill(overrides, root):
-    """Two faults in one run: SIGTERM to one training worker's process (not the driver) after step
-    9, as a spot reclaim or a drain sends it; then, once the run has resumed and trained past step
-    30, SIGKILL to a worker's process."""
+def scenario_faults(overrides, root, crash_at):
+    """Three faults in one run, each once the run has resumed from the one before: SIGTERM to one
+    training worker's process (not the driver) after step 9, as a spot reclaim or a drain sends
+    it; then the last rank dying after writing its shards of checkpoint ``crash_at``, before the
+    commit; then, once the run has trained past step 30, SIGKILL to a worker's process."""
     from ray.util.state import list_actors
 
     def a_worker_pid() -> int:
         return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])[-1].pid
 
-    run_dir = f"{root}/kill"
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
-    thread, box = run_in_thread(config)
-    signalled = killed = False
-    if wait_for(lambda: trained_past(run_dir, 9)):
-        os.kill(a_worker_pid(), signal.SIGTERM)
-        signalled = True
-        resumed = lambda: len([r for r in records(run_dir) if r["kind"] == "start"]) == 2  # noqa: E731
-        if wait_for(lambda: resumed() and trained_past(run_dir, 30) and checkpoint_registered(run_dir)):
-            os.kill(a_worker_pid(), signal.SIGKILL)
-            killed = True
-    thread.join()
-    recs = records(run_dir)
-    preempted = [r for r in recs if r["kind"] == "preempted"]
-    return summary(run_dir, box, signalled=signalled, killed=killed, preempted=preempted)
+    def attempts() -> int:
+        return len([r for r in records(run_dir) if r["kind"] == "start"])
 
-
-def scenario_crash_in_checkpoint(overrides, root):
-    """The last rank dies after writing its shards of checkpoint 8, before the commit."""
-    run_dir = f"{root}/crash"
-    os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"] = f"8:{root}/crashed"
+    run_dir, crashed = f"{root}/faults", f"{root}/crashed"
+    # The crash fires only while this file is absent (faults.py): armed once the SIGTERM's restart
+    # has begun, so it comes second, whatever the machine's speed.
+    open(crashed, "w").close()
+    os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"] = f"{crash_at}:{crashed}"
     try:
         config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
         thread, box = run_in_thread(config)
+        signalled = armed = killed = False
+        if wait_for(lambda: trained_past(run_dir, 9)):
+            os.kill(a_worker_pid(), signal.SIGTERM)
+            signalled = True
+            if wait_for(lambda: attempts() == 2):
+                os.remove(crashed)
+                armed = True
+                if wait_for(lambda: attempts() == 3 and trained_past(run_dir, 30) and checkpoint_registered(run_dir)):
+                    os.kill(a_worker_pid(), signal.SIGKILL)
+                    killed = True
         thread.join()
     finally:
         del os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"]
-    return summary(run_dir, box)
+    crash = open(crashed).read().strip() if armed and os.path.exists(crashed) else None
+    recs = records(run_dir)
+    preempted = [r for r in recs if r["kind"] == "preempted"]
+    return summary(run_dir, box, signalled=signalled, crashed=crash, killed=killed, preempted=preempted)
 
 
 def scenario_elastic(overrides, root, cluster, nodes):
@@ -228,7 +229,7 @@ def main() -> None:
     try:
         for name in args["scenarios"]:
             fn = globals()[f"scenario_{name}"]
-            extra = (cluster, nodes) if name == "elastic" else ()
+            extra = {"elastic": (cluster, nodes), "faults": (args["crash_at"],)}.get(name, ())
             started = time.time()
             out[name] = fn(args["overrides"], args["root"], *extra)
             out[name]["seconds"] = time.time() - started

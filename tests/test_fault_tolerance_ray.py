@@ -1,7 +1,8 @@
 """Failures and resizes on a simulated multi-node Ray cluster (ray.cluster_utils.Cluster, all on
-127.0.0.1; see ray_cluster_scenarios.py): a worker process killed, a rank dying between
-checkpoint write and commit, a node removed and added back. Each run must finish with the
-right step count, the global batch constant, and the loss of an uninterrupted run."""
+127.0.0.1; see ray_cluster_scenarios.py): a worker process signalled, a rank dying between
+checkpoint write and commit, and a worker process killed (three faults, one after another, in
+one run: each run pays Ray's startups again), a node removed and added back. Each run must
+finish with the right step count, the global batch constant, and the loss of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import pytest
 from conftest import TEST_MODEL, free_port
 
 pytestmark = pytest.mark.slow
-STEPS, G, SEQ = 90, 8, 64
+# Enough steps for every fault to land mid-run with room to spare: the faults run's SIGKILL comes
+# once it has trained past step 30, and the elastic run waits before step 40 (PAUSE_AT) until it
+# has grown back to 2 workers. A step takes about 0.1 s here: the runs' time is Ray's startups.
+STEPS, G, SEQ = 60, 8, 64
+CRASH_AT = 24  # the faults run's checkpoint whose commit the crash prevents (after the SIGTERM's)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +44,8 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
         "overrides": overrides,
         "root": str(root),
         "dashboard_port": free_port(),
-        "scenarios": ["reference", "kill", "crash_in_checkpoint", "elastic", "init_from"],
+        "scenarios": ["reference", "faults", "elastic", "init_from"],
+        "crash_at": CRASH_AT,
     }
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
@@ -67,7 +73,7 @@ def check_completed(run: dict) -> None:
 
 
 def test_sigterm_to_one_worker_checkpoints_at_the_next_step_and_the_run_goes_on(scenarios):
-    run = scenarios["kill"]
+    run = scenarios["faults"]
     check_completed(run)
     assert run["signalled"]
     assert len(run["preempted"]) == 1, run["preempted"]
@@ -78,18 +84,23 @@ def test_sigterm_to_one_worker_checkpoints_at_the_next_step_and_the_run_goes_on(
 
 
 def test_killed_worker_the_run_restarts_and_matches_an_uninterrupted_run(scenarios):
-    ref, run = scenarios["reference"], scenarios["kill"]
+    ref, run = scenarios["reference"], scenarios["faults"]
     check_completed(ref)
     check_completed(run)
     assert run["killed"]
-    assert len(run["starts"]) == 3 and run["starts"][2]["step"] > run["starts"][1]["step"]  # from a checkpoint
+    # Started, then restarted after the SIGTERM, the crash and the SIGKILL: the last from a checkpoint.
+    assert len(run["starts"]) == 4 and run["starts"][3]["step"] > run["starts"][2]["step"]
     assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
 
 
 def test_crash_between_checkpoint_write_and_commit_resumes_from_the_previous_one(scenarios):
-    ref, run = scenarios["reference"], scenarios["crash_in_checkpoint"]
+    ref, run = scenarios["reference"], scenarios["faults"]
     check_completed(run)
-    assert [s["step"] for s in run["starts"]] == [0, 4]  # checkpoint 8 was written but never committed
+    assert run["crashed"] == f"crashed before the commit of step {CRASH_AT}", run["crashed"]
+    preempted = run["preempted"][0]["step"]
+    # After the SIGTERM's restart at its checkpoint, checkpoint CRASH_AT was written but never
+    # committed: the run resumed from the one before it.
+    assert [s["step"] for s in run["starts"]][:3] == [0, preempted, CRASH_AT - 4]
     assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4
 
 
