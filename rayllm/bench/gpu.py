@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from rayllm.bench.speed import _cpu_name, _free_port, _StepSession, _sync, flash_attention_fits, synthetic_rows
+from rayllm.bench.speed import (
+    _cpu_name,
+    _free_port,
+    _StepSession,
+    flash_attention_fits,
+    synthetic_rows,
+    timed_steps,
+)
 from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 from rayllm.errors import RayllmError
@@ -148,14 +155,7 @@ def bench_step(config: TrainConfig, rank: int, world: int, device: torch.device,
     reset_peak_resident()
     trainer = Trainer(config, _StepSession(rank, world, device))
     rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), trainer.data_rank, trainer.layout.dp)
-    losses, times = [], []
-    for _ in range(warmup + steps):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(trainer.train_step(rows)[0])
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    losses, times = timed_steps(trainer, rows, warmup + steps, device)
     if cuda:
         allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
     else:

@@ -250,14 +250,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), rank, world_size)
-        losses, times = [], []
-        for _ in range(steps):
-            dist.barrier()
-            _sync(device)
-            start = time.perf_counter()
-            losses.append(trainer.train_step(rows)[0])
-            _sync(device)
-            times.append(time.perf_counter() - start)
+        losses, times = timed_steps(trainer, rows, steps, device)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:
@@ -267,6 +260,19 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
             out.put({"losses": losses, "step_s": statistics.median(timed), "peak_bytes": peak})
     finally:
         dist.destroy_process_group()
+
+
+def timed_steps(trainer, rows: np.ndarray, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Collective: ``steps`` of the Trainer's step on the same rows, each timed alone; (losses, seconds)."""
+    losses, times = [], []
+    for _ in range(steps):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        losses.append(trainer.train_step(rows)[0])
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return losses, times
 
 
 WARM_UP_SHAPE = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=4", "model.vocab_size=256"]
