@@ -124,6 +124,9 @@ class DataSettings:
     tokenizer_sample_docs: int = 4000
     # Sequences per shuffle window of the global stream (1 turns shuffling off).
     shuffle_window: int = 4096
+    # Shards of a source read at once and interleaved, so each batch mixes many shards
+    # (1: one shard after another, the order of rayllm before mixing).
+    mix_shards: int = 32
     # Save the ids (epoch, shard, index) of the sequences trained on with each checkpoint.
     record_ids: bool = False
     # Prepare the bundled demo corpus when `train` points at the missing demo folder.

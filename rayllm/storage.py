@@ -107,21 +107,34 @@ def _check_bucket(fs, path: str, item: str, what: str) -> None:
 
 def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) -> list[str]:
     """Every shard named by a path, glob, folder or list of them, as sorted full URIs."""
+    return [uri for uri, _ in list_shards(spec, storage, what)]
+
+
+def list_shards(spec: str | list[str], storage: StorageSettings, what: str) -> list[tuple[str, int]]:
+    """(full URI, bytes) of every shard named by a path, glob, folder or list of them, sorted.
+
+    Sizes come from the listing itself (one call per folder or glob, not one per file),
+    so 100,000 shards list in seconds.
+    """
     specs = [spec] if isinstance(spec, str) else list(spec)
     if not specs:
         raise DataError(f"{what} names no paths; give a path, glob or folder of shards")
-    shards: list[str] = []
+    shards: list[tuple[str, int]] = []
     for item in specs:
         fs, path = filesystem(item, storage)
         try:
             if any(ch in path for ch in "*?["):
-                found = [p for p in fs.glob(path) if fs.isfile(p)]
+                found = {p: i for p, i in fs.glob(path, detail=True).items() if i.get("type") == "file"}
             elif fs.isdir(path):
-                found = [p for p in fs.find(path) if p.endswith(SHARD_SUFFIXES) and not _is_hidden(p, path)]
+                found = {
+                    p: i
+                    for p, i in fs.find(path, detail=True).items()
+                    if p.endswith(SHARD_SUFFIXES) and not _is_hidden(p, path)
+                }
             elif fs.isfile(path):
-                found = [path]
+                found = {path: fs.info(path)}
             else:
-                found = []
+                found = {}
         except PermissionError as e:
             raise DataError(f"{what}: access denied to {item!r} ({e}); check data.storage credentials") from None
         except OSError as e:
@@ -133,7 +146,7 @@ def expand_shards(spec: str | list[str], storage: StorageSettings, what: str) ->
                 f"{what}: no shards found at {item!r}. Check the path exists and holds files ending in "
                 f"{', '.join(SHARD_SUFFIXES)} (or set data.demo_corpus: true with the default demo paths)"
             )
-        shards.extend(full_uri(fs, p) for p in sorted(found))
+        shards.extend((full_uri(fs, p), int(found[p].get("size") or 0)) for p in sorted(found))
     return shards
 
 

@@ -11,7 +11,8 @@ from rayllm.config import StorageSettings
 from rayllm.data.order import StreamPlan, local_stream, rank_slice
 from rayllm.data.packing import pack
 from rayllm.data.shards import iter_documents
-from rayllm.data.source import ID_FIELDS, ShardPacker, SourcePlan, work_item
+from rayllm.data.groups import GroupPacker, group_members
+from rayllm.data.source import ID_FIELDS, ShardPacker, SourcePlan
 from rayllm.errors import DataError
 
 S = StorageSettings()
@@ -82,10 +83,14 @@ def _plan(corpus, tokenizer_file, window=32, sources=None):
 
 def test_epochs_reshuffle_shards_by_seed(corpus, tokenizer_file):
     plan = _source(corpus, tokenizer_file)
-    orders = [tuple(work_item(plan, e * 3 + j)["shard"] for j in range(3)) for e in range(4)]
+    plan.mix = 1  # one shard per group: the group list is the epochs' shard permutations
+    orders = [tuple(group_members(plan, e * 3 + j)[0][1] for j in range(3)) for e in range(4)]
     assert all(sorted(o) == [0, 1, 2] for o in orders)
     assert len(set(orders)) > 1
-    assert orders == [tuple(work_item(plan, e * 3 + j)["shard"] for j in range(3)) for e in range(4)]
+    assert orders == [tuple(group_members(plan, e * 3 + j)[0][1] for j in range(3)) for e in range(4)]
+    plan.mix = 2  # an epoch of 3 shards in groups of 2 and 1, never across epochs
+    assert [len(group_members(plan, g)) for g in range(4)] == [1, 2, 1, 2]
+    assert sorted(s for g in (0, 1) for _, s in group_members(plan, g)) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("window", [1, 32, 100])
@@ -114,8 +119,10 @@ def test_restart_tokenizes_only_from_the_cursor(corpus, tokenizer_file):
     plan = _plan(corpus, tokenizer_file, window=64)
     full = take(40, local_stream(plan, global_batch=8))
     _, state = full[30]
-    cursor = state.cursor(0)
-    assert cursor[2] > 0, "the cursor should lie past the first document of its shard"
+    group, slots = state.cursor(0, plan.sources[0])
+    slot = max(range(len(slots)), key=lambda s: slots[s][1] if slots[s] else -1)
+    index, doc, _ = slots[slot]
+    assert doc > 0, "the cursor should lie past the first document of its shard"
     encoded = []
 
     class CountingPacker(ShardPacker):
@@ -125,12 +132,15 @@ def test_restart_tokenizes_only_from_the_cursor(corpus, tokenizer_file):
             self.tokenizer = type("T", (), {})()
             self.tokenizer.encode_batch = lambda texts, **kw: encoded.extend(texts) or original(texts, **kw)
 
-    packer = CountingPacker(plan.sources[0])
-    item = work_item(plan.sources[0], cursor[0], cursor)
-    rows = next(packer.rows(item))
-    assert rows["index"][0] == cursor[1] + 1
-    docs = list(iter_documents(plan.sources[0].shards[item["shard"]], "text", S))
-    assert encoded[0] == docs[cursor[2]]  # the first document tokenized is the cursor's own
+    packer = GroupPacker(plan.sources[0])
+    packer.shards = CountingPacker(plan.sources[0])
+    only = [c if s == slot else None for s, c in enumerate(slots)]
+    members = group_members(plan.sources[0], group)
+    rows = next(r for r in packer.rows(group, only) if (r["slot"] == slot).any())
+    assert rows["index"][rows["slot"] == slot][0] == index + 1
+    docs = list(iter_documents(plan.sources[0].shards[members[slot][1]], "text", S))
+    assert docs[doc] in encoded  # the cursor's own document is tokenized ...
+    assert not set(docs[:doc]) & set(encoded)  # ... and none before it
 
 
 def test_weighted_mixture_is_realised_and_independent_of_restarts(corpus, tokenizer_file, tmp_path):
@@ -226,3 +236,53 @@ def test_tokenizer_train_cli_writes_a_loadable_tokenizer(corpus, tmp_path):
     assert tokenizer.token_to_id("<|endoftext|>") == 0 and tokenizer.token_to_id("<pad>") == 1
     text = "def main():\n    print('hello')\n"
     assert tokenizer.decode(tokenizer.encode(text).ids) == text  # byte-level: lossless
+
+
+def _write_shards(folder, count, rng):
+    """``count`` jsonl shards of a few hundred 65-token sequences each, sizes varying by shard."""
+    folder.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    for s in range(count):
+        docs = [" ".join(rng.choice(words, size=int(rng.integers(50, 400)))) for _ in range(int(rng.integers(60, 140)))]
+        (folder / f"part-{s:03d}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+
+
+def _distinct_shards_per_batch(plan, global_batch):
+    out = []
+    for rows, _ in local_stream(plan, global_batch=global_batch):
+        if (rows["epoch"] > 0).any():
+            return out
+        out.append(len(set(rows["shard"].tolist())))
+    return out
+
+
+def test_each_global_batch_mixes_many_shards(tmp_path, tokenizer_file):
+    """With the defaults, a batch of 64 draws from most of a 32-shard corpus, not from one or two shards."""
+    from rayllm.config import DataSettings
+    from rayllm.storage import list_shards
+
+    _write_shards(tmp_path / "c", 32, np.random.default_rng(0))
+    listed = list_shards(str(tmp_path / "c"), S, "test")
+    defaults = DataSettings()
+    source = SourcePlan(
+        name="train",
+        shards=[u for u, _ in listed],
+        sizes=[n for _, n in listed],
+        weight=1.0,
+        text_field="text",
+        storage=S,
+        tokenizer_json=tokenizer_file.read_text(),
+        seq_len=64,
+        seed=7,
+        mix=defaults.mix_shards,
+    )
+    plan = StreamPlan(sources=[source], window=defaults.shuffle_window, seed=7)
+    batch, open_shards = 64, min(defaults.mix_shards, 32)
+    # Expected distinct shards in a batch drawn evenly from the open shards: S * (1 - (1 - 1/S)^B).
+    even = open_shards * (1 - (1 - 1 / open_shards) ** batch)
+    distinct = _distinct_shards_per_batch(plan, batch)
+    assert len(distinct) >= 100, "the corpus should give a hundred batches of 64 per epoch"
+    assert min(distinct) >= 20 and np.mean(distinct) >= 0.9 * even, (min(distinct), np.mean(distinct), even)
+    # Shard after shard (mix 1, the order before mixing) fails the same bound.
+    source.mix = 1
+    assert np.mean(_distinct_shards_per_batch(plan, batch)) < 0.5 * even

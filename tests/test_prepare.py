@@ -409,16 +409,26 @@ def test_trainer_streams_pre_tokenised_shards_exactly_as_the_text_they_came_from
     assert token_plan.tokenizer_uri.endswith("_tokenizer.json")
     assert (tmp_path / "tokens" / "tokenizer.json").read_text() == Path(tokenizer_path).read_text()  # run copy
     assert len(text_plan.train.sources[0].shards) == len(token_plan.train.sources[0].shards) == 3
-    batches = 0
-    for (a, _), (b, _) in zip(
-        local_stream(text_plan.train, global_batch=8), local_stream(token_plan.train, global_batch=8), strict=True
-    ):
-        assert np.array_equal(a["tokens"], b["tokens"])
-        assert a[["epoch", "shard", "index"]].tolist() == b[["epoch", "shard", "index"]].tolist()
-        batches += 1
-        if batches == 40:  # past the first epoch of this small corpus
-            break
-    assert batches == 40
+    # The same sequences under the same ids; the order within a group of shards may differ, as
+    # the interleave paces shards by their bytes, and a parquet shard's bytes are not its text's.
+    text_epoch, token_epoch = _first_epoch(text_plan.train), _first_epoch(token_plan.train)
+    assert len(text_epoch) > 40 and text_epoch.keys() == token_epoch.keys()
+    assert all(np.array_equal(text_epoch[k], token_epoch[k]) for k in text_epoch)
+
+
+def _first_epoch(plan) -> dict:
+    """Tokens by (epoch, shard, index) of every sequence of epoch 0 (read unshuffled, so it ends in order)."""
+    import dataclasses
+
+    from rayllm.data.order import local_stream
+
+    out = {}
+    for rows, _ in local_stream(dataclasses.replace(plan, window=1), global_batch=8):
+        for r in rows[rows["epoch"] == 0]:
+            out[(int(r["epoch"]), int(r["shard"]), int(r["index"]))] = r["tokens"]
+        if (rows["epoch"] > 0).all():
+            return out
+    return out
 
 
 def test_pre_tokenised_shards_without_their_tokenizer_are_a_clear_error(local_run, tmp_path):

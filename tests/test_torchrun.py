@@ -73,3 +73,55 @@ def test_every_mth_checkpoint_is_kept_beside_the_last_k(base, tmp_path):
     assert [p.name for p in run_dir.glob("checkpoint_*")] == ["checkpoint_00000008"]
     assert sorted(p.name for p in run_dir.glob("kept/*")) == ["checkpoint_00000004", "checkpoint_00000008"]
     assert json.loads((run_dir / "kept" / "checkpoint_00000004" / "train_state.json").read_text())["step"] == 4
+
+
+def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(overrides, tmp_path):
+    """Exactly once under torchrun: ids recorded with each checkpoint through stops that change the
+    world size (4 -> 2 -> 4 ranks) form the seed's global order, each sequence once, epoch 0 whole."""
+    import glob
+
+    import numpy as np
+
+    from rayllm import TrainConfig
+    from rayllm.data.order import local_stream
+    from rayllm.data.plan import prepare_data
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    (tmp_path / "small").mkdir()
+    for s in range(3):
+        docs = [" ".join(words[(s * 7 + d * 3 + i) % 12] + str(i % 17) for i in range(160)) for d in range(6)]
+        (tmp_path / "small" / f"part-{s}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    g = 8
+    base = [o for o in overrides if not o.startswith(("data.train=", "data.val="))] + [
+        f"data.train={tmp_path / 'small'}",
+        "data.val=null",
+        "data.record_ids=true",
+        "data.shuffle_window=64",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1000",
+        "tracking.enabled=false",
+        "cluster.use_gpu=false",
+    ]
+    plan = prepare_data(TrainConfig.from_yaml("configs/tiny.yaml", overrides=base), log=lambda *_: None).train
+    batches = []
+    for rows, _ in local_stream(plan, global_batch=g):
+        batches.append(rows)
+        if (rows["epoch"] > 0).all():
+            break
+    stream = np.concatenate(batches)
+    steps = int(np.flatnonzero(stream["epoch"] == 0)[-1]) // g + 1
+    assert steps >= 12
+    ids = stream[["source", "epoch", "shard", "index"]].tolist()
+    expected = [tuple(int(v) for v in r) for r in ids[: steps * g]]
+    for nproc, stop in ((4, 4), (2, 8), (4, steps)):
+        records = torchrun(nproc, [*base, f"train.max_steps={steps}", f"train.stop_at_step={stop}"])
+        assert max(losses(records)) == stop
+    seen = []
+    for ckpt in sorted(glob.glob(str(tmp_path / "run" / "checkpoint_[0-9]*"))):
+        per_rank = [np.load(p) for p in sorted(glob.glob(f"{ckpt}/consumed-rank*.npy"))]
+        per_step = g // len(per_rank)
+        for step in range(len(per_rank[0]) // per_step):
+            for rows in per_rank:
+                seen.extend(tuple(int(v) for v in r) for r in rows[step * per_step : (step + 1) * per_step].tolist())
+    assert len(seen) == len(set(seen)), "a sequence was trained on twice"
+    assert seen == expected

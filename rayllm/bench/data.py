@@ -91,7 +91,14 @@ def pipeline(plan: StreamPlan, cpus: int, global_batch: int, epochs: int) -> dic
     one_pass = dataclasses.replace(
         plan,
         sources=[
-            dataclasses.replace(s, shards=s.shards * epochs, repeat=False, epochs_per_pass=1) for s in plan.sources
+            dataclasses.replace(
+                s,
+                shards=s.shards * epochs,
+                sizes=(s.sizes or [1] * len(s.shards)) * epochs,
+                repeat=False,
+                epochs_per_pass=1,
+            )
+            for s in plan.sources
         ],
     )
     produce = ray_chunks(parallelism=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})

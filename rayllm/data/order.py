@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from rayllm.data import mixture
-from rayllm.data.source import SourcePlan, cursor_of, local_chunks, to_records
+from rayllm.data.groups import Cursor, advance, cursor_from_state, local_chunks
+from rayllm.data.source import SourcePlan, to_records
 from rayllm.errors import DataError
 
 UNSHUFFLED_UNIT = 1024  # positions assembled at a time when shuffling is off
@@ -43,9 +44,8 @@ class DataState:
         raw = raw or {}
         return cls(raw.get("position", 0), list(raw.get("cursors", [])), list(raw.get("skipped", [])))
 
-    def cursor(self, source: int) -> tuple[int, ...] | None:
-        c = self.cursors[source] if source < len(self.cursors) else None
-        return tuple(c) if c is not None else None
+    def cursor(self, source: int, plan: SourcePlan) -> Cursor | None:
+        return cursor_from_state(self.cursors[source] if source < len(self.cursors) else None, plan)
 
 
 class SourceReader:
@@ -75,8 +75,7 @@ class SourceReader:
         rows = np.concatenate(self._buffer) if len(self._buffer) > 1 else self._buffer[0]
         taken, rest = rows[:n], rows[n:]
         self._buffer, self._have = ([rest] if len(rest) else []), len(rest)
-        if len(taken):
-            self.cursor = cursor_of(taken[-1])
+        self.cursor = advance(self.cursor, taken)
         return taken
 
 
@@ -100,7 +99,7 @@ def global_windows(
     k = state.position // unit
     while True:
         start = k * unit
-        meta = DataState(start, [list(r.cursor) if r.cursor else None for r in readers])
+        meta = DataState(start, [_plain(r.cursor) for r in readers])
         lab = mixture.labels(weights, start, start + unit, seed)
         rows, complete = _assemble(readers, lab)
         # Skips found while filling this window are reported with it; a restart from its start
@@ -113,6 +112,13 @@ def global_windows(
         if not complete:
             return
         k += 1
+
+
+def _plain(cursor: Cursor | None) -> list | None:
+    """A cursor as JSON-friendly lists."""
+    if cursor is None:
+        return None
+    return [cursor[0], [list(c) if c is not None else None for c in cursor[1]]]
 
 
 def _assemble(readers: list[SourceReader], lab: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -197,7 +203,7 @@ class StreamPlan:
         return [s.weight for s in self.sources]
 
 
-ChunkSource = Callable[[SourcePlan, "tuple[int, ...] | None"], Iterator[dict[str, np.ndarray]]]
+ChunkSource = Callable[[SourcePlan, "Cursor | None"], Iterator[dict[str, np.ndarray]]]
 
 
 def open_stream(
@@ -215,9 +221,8 @@ def open_stream(
         ):
             skipped.append(entry)
 
-    readers = [
-        SourceReader(chunks(src, state.cursor(i)), state.cursor(i), on_skip) for i, src in enumerate(plan.sources)
-    ]
+    cursors = [state.cursor(i, src) for i, src in enumerate(plan.sources)]
+    readers = [SourceReader(chunks(src, c), c, on_skip) for src, c in zip(plan.sources, cursors, strict=True)]
     windows = global_windows(readers, plan.weights, window=plan.window, seed=plan.seed, state=state, skipped=skipped)
     return step_batches(windows, start=consumed, global_batch=global_batch)
 

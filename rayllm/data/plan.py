@@ -17,16 +17,18 @@ import numpy as np
 from rayllm.config import SourceSettings, StorageSettings, TrainConfig
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
+from rayllm.data.groups import local_chunks
 from rayllm.data.order import StreamPlan
 from rayllm.data.shards import iter_documents, iter_token_documents
-from rayllm.data.source import SourcePlan, local_chunks
+from rayllm.data.source import SourcePlan
 from rayllm.errors import DataError
 from rayllm.resolve import resolve
-from rayllm.storage import expand_shards, filesystem, join, read_text, write_text
+from rayllm.storage import expand_shards, filesystem, join, list_shards, read_text, write_text
 
 TOKENIZER_FILE = "tokenizer.json"
 SHARD_TOKENIZER_FILE = "_tokenizer.json"  # beside pre-tokenised shards: the tokenizer that made them
 SAMPLE_CHAR_LIMIT = 20_000_000
+SAMPLE_SHARDS = 64  # shards the driver samples documents from, spread over the listing
 
 
 @dataclass
@@ -51,6 +53,7 @@ class DataPlans:
 class _Source:
     name: str
     shards: list[str]
+    sizes: list[int]  # bytes per shard, from the listing
     weight: float
     text_field: str
     pretokenized: bool = False  # parquet shards with a ``tokens`` column (rayllm prepare's tokenize)
@@ -61,8 +64,8 @@ def _sources(config: TrainConfig) -> list[_Source]:
     d = config.data
     specs = d.train if isinstance(d.train, list) and d.train and isinstance(d.train[0], SourceSettings) else None
     if specs is None:
-        shards = expand_shards(d.train, d.storage, "data.train")
-        return [_Source("train", shards, 1.0, d.text_field, _pretokenized(shards, d.storage))]
+        shards, sizes = _listed(d.train, d.storage, "data.train")
+        return [_Source("train", shards, sizes, 1.0, d.text_field, _pretokenized(shards, d.storage))]
     sources, names = [], set()
     for i, spec in enumerate(specs):
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
@@ -70,10 +73,15 @@ def _sources(config: TrainConfig) -> list[_Source]:
         if name in names:
             name = f"{name}-{i}"
         names.add(name)
-        shards = expand_shards(spec.path, d.storage, f"data.train[{i}].path")
+        shards, sizes = _listed(spec.path, d.storage, f"data.train[{i}].path")
         text_field = spec.text_field or d.text_field
-        sources.append(_Source(name, shards, spec.weight, text_field, _pretokenized(shards, d.storage)))
+        sources.append(_Source(name, shards, sizes, spec.weight, text_field, _pretokenized(shards, d.storage)))
     return sources
+
+
+def _listed(spec, storage, what: str) -> tuple[list[str], list[int]]:
+    listed = list_shards(spec, storage, what)
+    return [uri for uri, _ in listed], [size for _, size in listed]
 
 
 def _pretokenized(shards: list[str], storage) -> bool:
@@ -135,6 +143,8 @@ def prepare_data(config: TrainConfig, log=print) -> DataPlans:
                 index=index,
                 epochs_per_pass=_epochs_per_pass(config, src, sample, sample_tokens, share),
                 on_bad_shard=d.on_bad_shard,
+                mix=d.mix_shards,
+                sizes=src.sizes,
             )
         )
     train = StreamPlan(sources=plans, window=d.shuffle_window, seed=config.train.seed)
@@ -207,10 +217,14 @@ def train_tokenizer(
 def _sample_documents(shards: list[str], text_field: str, storage, limit: int, pretokenized: bool = False) -> list:
     """Up to ``limit`` documents (texts, or token id lists for pre-tokenised shards) taken
     round-robin from the shards (reads only what it keeps)."""
-    per_shard = max(1, math.ceil(limit / len(shards)))
+    # Shards spread over the listing first, then the rest only while the sample is short:
+    # a corpus of 100,000 shards is sampled from a few, not opened file by file.
+    spread = shards[:: max(1, len(shards) // SAMPLE_SHARDS)][:SAMPLE_SHARDS]
+    chosen = set(spread)
+    per_shard = max(1, math.ceil(limit / len(spread)))
     sample: list = []
     chars = 0
-    for uri in shards:
+    for uri in itertools.chain(spread, (u for u in shards if u not in chosen)):
         documents = (iter_token_documents(uri, storage) if pretokenized else None) or iter_documents(
             uri, text_field, storage
         )
@@ -277,10 +291,7 @@ def _check_token_ids(src: _Source, sample: list[list[int]], vocab: int, tokenize
 def _epochs_per_pass(config: TrainConfig, src: _Source, sample: list, sample_tokens: int, share: float) -> int:
     """Epochs of a source handed to one Ray Data execution: about what training needs, estimated
     from bytes per token, so a run rarely pays for starting a second execution."""
-    total_bytes = 0
-    for uri in src.shards:
-        fs, path = filesystem(uri, config.data.storage)
-        total_bytes += fs.size(path) or 0
+    total_bytes = sum(src.sizes)
     if src.pretokenized:  # bytes per document from the first shard's row count, tokens per document sampled
         import pyarrow.parquet as pq
 

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from rayllm.data.groups import GroupPacker, passes
 from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
-from rayllm.data.source import ShardPacker, SourcePlan, passes
+from rayllm.data.source import SourcePlan
 
-_PACKERS: dict[int, ShardPacker] = {}
+_PACKERS: dict[int, GroupPacker] = {}
 _END = "end-of-stream"
 OUTPUT_BLOCK_BYTES = 4 << 20
 
@@ -39,7 +40,7 @@ def pack_items(batch: dict[str, np.ndarray], plan: SourcePlan) -> Iterator[dict[
     key = hash((plan.tokenizer_json, plan.index))
     packer = _PACKERS.get(key)
     if packer is None or packer.plan != plan:
-        packer = _PACKERS[key] = ShardPacker(plan)
+        packer = _PACKERS[key] = GroupPacker(plan)
     yield from packer(batch)
 
 
@@ -92,12 +93,12 @@ def ray_chunks(parallelism: int, cpus_per_task: float = DATA_TASK_CPUS, env: dic
     remote_args = {"runtime_env": {"env_vars": env}} if env else {}
 
     def chunks(plan: SourcePlan, cursor) -> Iterator[dict[str, np.ndarray]]:
-        def run_pass(items: list[dict]) -> Iterator[dict[str, np.ndarray]]:
-            ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        def run_pass(groups: list[dict]) -> Iterator[dict[str, np.ndarray]]:
+            ds = ray.data.from_items(groups, override_num_blocks=len(groups)).map_batches(
                 pack_items,
                 fn_kwargs={"plan": plan},
                 batch_size=1,
-                compute=ray.data.TaskPoolStrategy(size=max(1, min(parallelism, len(items)))),
+                compute=ray.data.TaskPoolStrategy(size=max(1, min(parallelism, len(groups)))),
                 num_cpus=cpus_per_task,
                 **remote_args,
             )

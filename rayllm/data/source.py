@@ -1,19 +1,18 @@
-"""One data source as a stream of packed sequences: shards -> documents -> tokens -> blocks.
+"""One shard as a stream of packed sequences: documents -> tokens -> blocks.
 
-A source visits its shards epoch after epoch, each epoch in a permutation seeded by
-(seed, source, epoch); each shard packs its documents into consecutive sequences.
-Every sequence therefore has a stable id (source, epoch, shard, index) and a place it
-starts (item, document, token offset): a *cursor*. Restarting a source at a cursor
-reads the current shard up to that document, tokenizes from there on, and nothing else.
+Every sequence has a stable id (source, epoch, shard, index) and a place it starts
+(document, token offset): restarting a shard there reads it up to that document,
+tokenizes from there on, and nothing else. Which shards are read together, and in what
+order, is groups.py's business.
 
-The functions here are plain Python: Ray Data runs ``pack_items`` in its tasks, and the
-torchrun path calls ``local_chunks`` in-process, so both produce identical rows.
+The functions here are plain Python: Ray Data runs them in its tasks and the torchrun
+path in-process, so both produce identical rows.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ from rayllm.errors import DataError
 
 ENCODE_GROUP = 64  # documents per encode_batch call: enough to use tokenizers' threads
 ID_FIELDS = ("source", "epoch", "shard", "index")
-CURSOR_FIELDS = ("item", "index", "doc", "doc_token")
+SLOT_CURSOR_FIELDS = ("index", "doc", "doc_token")  # where a shard restarts
 
 
 @dataclass
@@ -46,41 +45,22 @@ class SourcePlan:
     repeat: bool = True  # epochs without end (training) or a single pass (validation)
     epochs_per_pass: int = 1  # epochs handed to one Ray Data execution
     on_bad_shard: str = "error"
-
-    @property
-    def items_per_epoch(self) -> int:
-        return len(self.shards)
+    mix: int = 1  # shards read at once and interleaved (data.mix_shards)
+    sizes: list[int] | None = None  # bytes per shard, from the listing: how the interleave paces them
 
 
-def shard_order(num_shards: int, seed: int, source: int, epoch: int, shuffle: bool = True) -> list[int]:
-    if not shuffle:
-        return list(range(num_shards))
-    return [int(i) for i in np.random.default_rng([seed, source, epoch]).permutation(num_shards)]
-
-
-def work_item(plan: SourcePlan, item: int, cursor: tuple[int, ...] | None = None) -> dict[str, int]:
-    """Item ``item`` of the source's endless list of (epoch, shard) visits.
-
-    With ``cursor`` (the last sequence already taken, inside this item), the item restarts
-    at that sequence's start and drops it.
-    """
-    epoch, place = divmod(item, plan.items_per_epoch)
-    shard = shard_order(plan.items_per_epoch, plan.seed, plan.index, epoch, plan.shuffle)[place]
-    entry = {"source": plan.index, "item": item, "epoch": epoch, "shard": shard}
+def shard_visit(source: int, epoch: int, shard: int, cursor: tuple[int, int, int] | None = None) -> dict[str, int]:
+    """One visit of a shard; with ``cursor`` (the last sequence already taken from it), the visit
+    restarts at that sequence's start and drops it."""
+    entry = {"source": source, "epoch": epoch, "shard": shard}
     if cursor is None:
         return {**entry, "index": 0, "doc": 0, "doc_token": 0, "drop_through": -1}
-    _, index, doc, doc_token = cursor
+    index, doc, doc_token = cursor
     return {**entry, "index": index, "doc": doc, "doc_token": doc_token, "drop_through": index}
 
 
-def items_from(plan: SourcePlan, first: int, cursor: tuple[int, ...] | None, count: int) -> list[dict[str, int]]:
-    """``count`` items from item ``first`` (restarted at ``cursor`` when it lies in that item)."""
-    end = first + count if plan.repeat else min(first + count, plan.items_per_epoch)
-    return [work_item(plan, i, cursor if cursor and i == cursor[0] else None) for i in range(first, end)]
-
-
 class ShardPacker:
-    """Tokenizes and packs one work item at a time; the body of a Ray Data task."""
+    """Tokenizes and packs one shard visit at a time (inside a group's task)."""
 
     def __init__(self, plan: SourcePlan):
         self.plan = plan
@@ -101,13 +81,13 @@ class ShardPacker:
             for (doc, _), e in zip(group, encoded, strict=True):
                 yield doc, e.ids
 
-    def rows(self, item: dict[str, int]) -> Iterator[dict[str, np.ndarray]]:
+    def rows(self, item: dict[str, int], chunk: int = 256) -> Iterator[dict[str, np.ndarray]]:
         uri = self.plan.shards[item["shard"]]
         start = int(item["index"])
         try:
             documents = self._documents(uri, int(item["doc"]), int(item["doc_token"]))
             for blocks, docs, offsets in pack(
-                documents, self.eos, self.plan.seq_len + 1, first_offset=item["doc_token"]
+                documents, self.eos, self.plan.seq_len + 1, chunk=chunk, first_offset=item["doc_token"]
             ):
                 n = len(blocks)
                 index = np.arange(start, start + n, dtype=np.int64)
@@ -120,10 +100,6 @@ class ShardPacker:
                 raise
             yield _skip_marker(item, self.plan.seq_len + 1, f"{e}")
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        for i in range(len(batch["item"])):
-            yield from self.rows({k: int(v[i]) for k, v in batch.items()})
-
 
 def _columns(item, blocks, index, docs, offsets, error: str = "") -> dict[str, np.ndarray]:
     n = len(blocks)
@@ -133,7 +109,6 @@ def _columns(item, blocks, index, docs, offsets, error: str = "") -> dict[str, n
         "epoch": np.full(n, item["epoch"], dtype=np.int32),
         "shard": np.full(n, item["shard"], dtype=np.int32),
         "index": index,
-        "item": np.full(n, item["item"], dtype=np.int64),
         "doc": docs,
         "doc_token": offsets,
         "error": np.array([error] * n, dtype=object),
@@ -151,9 +126,10 @@ RECORD_DTYPE_FIELDS = [
     ("epoch", np.int32),
     ("shard", np.int32),
     ("index", np.int64),
-    ("item", np.int64),
     ("doc", np.int64),
     ("doc_token", np.int64),
+    ("group", np.int64),
+    ("slot", np.int32),
 ]
 
 
@@ -180,40 +156,3 @@ def to_records(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list[dict]]:
     for name, _ in RECORD_DTYPE_FIELDS:
         rows[name] = np.asarray(batch[name])[keep]
     return rows, skipped
-
-
-def cursor_of(row: np.void) -> tuple[int, int, int, int]:
-    return tuple(int(row[f]) for f in CURSOR_FIELDS)
-
-
-def local_chunks(plan: SourcePlan, cursor: tuple[int, ...] | None) -> Iterator[dict[str, np.ndarray]]:
-    """The source's stream from ``cursor`` without Ray: column batches, as Ray Data yields them."""
-    packer = ShardPacker(plan)
-    yield from passes(plan, cursor, lambda items: (batch for item in items for batch in packer.rows(item)))
-
-
-def passes(
-    plan: SourcePlan, cursor: tuple[int, ...] | None, run_pass: Callable[[list[dict]], Iterable[dict]]
-) -> Iterator[dict[str, np.ndarray]]:
-    """Run the source pass after pass (``epochs_per_pass`` epochs each) from the cursor on.
-
-    A whole epoch that yields no sequence is an error rather than an endless loop.
-    """
-    first = cursor[0] if cursor else 0
-    count = plan.epochs_per_pass * plan.items_per_epoch
-    while True:
-        items = items_from(plan, first, cursor, count)
-        if not items:
-            return
-        produced = 0
-        for batch in run_pass(items):
-            produced += int((np.asarray(batch["index"]) >= 0).sum())
-            yield batch
-        if produced == 0 and cursor is None and plan.repeat:
-            raise DataError(
-                f"data source {plan.name!r} produced no sequences in a whole epoch: its documents hold fewer than "
-                f"data.seq_len + 1 tokens in every shard (or every shard was skipped). Add data or lower data.seq_len"
-            )
-        if not plan.repeat:
-            return
-        first, cursor = items[-1]["item"] + 1, None
