@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from rayllm.config import StorageSettings
+from rayllm.data.groups import GroupPacker, group_members
 from rayllm.data.order import StreamPlan, local_stream, rank_slice
 from rayllm.data.packing import pack
 from rayllm.data.shards import iter_documents
-from rayllm.data.groups import GroupPacker, group_members
 from rayllm.data.source import ID_FIELDS, ShardPacker, SourcePlan
 from rayllm.errors import DataError
 

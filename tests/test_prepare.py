@@ -397,8 +397,7 @@ def _train_config(data_path: str, run_dir: Path, *extra: str):
 
 def test_trainer_streams_pre_tokenised_shards_exactly_as_the_text_they_came_from(local_run, tokenizer_path, tmp_path):
     """The token folder needs no data.tokenizer (prepare leaves ``_tokenizer.json`` beside it),
-    the text folder's ``_report.json`` is not taken for a shard, and both give the same rows."""
-    from rayllm.data.order import local_stream
+    the text folder's ``_report.json`` is not taken for a shard, and both give the same sequences."""
     from rayllm.data.plan import prepare_data
 
     config, _, _ = local_run
