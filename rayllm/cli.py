@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
     bench_gpu.add_argument("--out", help="write every figure to this JSON file")
     bench_gpu.add_argument("--nproc-per-node", type=int, default=1, help="ranks; more than 1 runs under torchrun")
+    bench_serve = bench_sub.add_parser("serve", help="serving slices to 1..1024 simulated ranks, new vs old design")
+    bench_serve.add_argument("--ranks", default="1,8,64,256,1024", help="rank counts, comma-separated")
+    bench_serve.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    bench_serve.add_argument("--steps", type=int, default=20, help="steps each rank takes")
+    bench_serve.add_argument("--consumers", type=int, default=4, help="processes the simulated ranks share")
+    bench_serve.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for Ray")
     bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
     bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
     bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -105,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare(args)
     if args.command in ("generate", "eval", "export"):
         return _use_model(args)
+    if args.command == "bench" and args.bench_command == "serve":
+        from rayllm.bench import serve as bench_serve
+
+        ranks = tuple(int(r) for r in args.ranks.split(","))
+        bench_serve.run(ranks, args.seq_len, args.steps, args.consumers, cpus=args.cpus)
+        return 0
     if args.command == "bench" and args.bench_command == "gpu":
         from rayllm.bench import gpu as bench_gpu
 

@@ -1,33 +1,21 @@
-"""The global stream on Ray: tokenized once by Ray Data, served to the ranks by position.
-
-One ``StreamServer`` actor per training attempt runs a Ray Data pipeline per source
-(read + tokenize + pack in tasks across the cluster, order preserved), mixes, shuffles
-and cuts the stream into global batches (order.py), and hands rank r its slice of each
-step through the object store. So each sequence is tokenized once, whatever the number
-of workers, and the order is the same one the in-process path computes.
-
-Written by hand because Ray Data's own splitting (``streaming_split``) hands out blocks
-as workers ask for them: it has no resumable position and its order depends on timing
-and on the number of workers (Ray issues #37633, #48224).
+"""The sources on Ray: a Ray Data pipeline per source reads, tokenizes and packs groups of
+shards in tasks across the cluster, in order, so each sequence is tokenized once whatever
+the number of workers, and the rows are the ones the in-process path computes.
+serve.py mixes them into the global order and serves it to the ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
 from rayllm.data.groups import GroupPacker, passes
-from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
 from rayllm.data.source import SourcePlan
 
 _PACKERS: dict[int, GroupPacker] = {}
-_END = "end-of-stream"
 OUTPUT_BLOCK_BYTES = 4 << 20
 
 
@@ -109,124 +97,3 @@ def ray_chunks(parallelism: int, cpus_per_task: float = DATA_TASK_CPUS, env: dic
         return passes(plan, cursor, run_pass)
 
     return chunks
-
-
-class StreamServer:
-    """Serves each rank its slice of each global batch, in order (a threaded Ray actor)."""
-
-    def __init__(
-        self,
-        plan: StreamPlan,
-        state: dict[str, Any],
-        consumed: int,
-        global_batch: int,
-        world_size: int,
-        parallelism: int,
-        ranks_per_slice: int = 1,
-        depth: int = 4,
-    ):
-        configure_ray_data()
-        self._world_size = world_size
-        self._ranks_per_slice = ranks_per_slice  # consecutive ranks (a TP group) fed the same slice
-        self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        args = (plan, DataState.from_dict(state), consumed, global_batch, parallelism)
-        threading.Thread(target=self._produce, args=args, daemon=True, name="rayllm-stream").start()
-
-    def _produce(self, plan, state, consumed, global_batch, parallelism) -> None:
-        try:
-            stream = open_stream(
-                plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(parallelism)
-            )
-            for rows, meta in stream:
-                meta_dict = meta.to_dict()
-                slices = self._world_size // self._ranks_per_slice
-                for rank, q in enumerate(self._queues):
-                    self._put(q, (rank_slice(rows, rank // self._ranks_per_slice, slices), meta_dict))
-            for q in self._queues:
-                self._put(q, _END)
-        except BaseException as e:  # handed to every rank, which raises it
-            self._error = e
-
-    def _put(self, q: queue.Queue, item) -> None:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def take(self, rank: int) -> list:
-        """The next items for ``rank`` (at least one, all that are ready); raises the stream's error."""
-        q = self._queues[rank]
-        while True:
-            try:
-                items = [q.get(timeout=0.5)]
-                break
-            except queue.Empty:
-                if self._error is not None:
-                    raise self._error from None
-        while True:
-            try:
-                items.append(q.get_nowait())
-            except queue.Empty:
-                return items
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def start_server(
-    plan: StreamPlan,
-    state: DataState,
-    *,
-    consumed: int,
-    global_batch: int,
-    world_size: int,
-    parallelism: int,
-    name: str,
-    ranks_per_slice: int = 1,
-):
-    """Start the stream's actor beside the calling process (rank 0); it dies with its owner."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    actor = ray.remote(StreamServer).options(
-        name=name,
-        num_cpus=0,
-        max_concurrency=world_size + 4,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
-    )
-    return actor.remote(plan, state.to_dict(), consumed, global_batch, world_size, parallelism, ranks_per_slice)
-
-
-class DataStreamLost(RuntimeError):
-    """The stream server died or stalled. Not a user error: the attempt fails and Ray Train restarts
-    the run from its latest checkpoint, whose data state says where the new server starts."""
-
-
-def served_batches(server, rank: int, timeout_s: float) -> Iterator[tuple[np.ndarray, DataState]]:
-    """This rank's batches from the server, with the data state after each; each wait has a deadline."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    while True:
-        try:
-            items = ray.get(server.take.remote(rank), timeout=timeout_s)
-        except RayActorError as e:
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DataStreamLost(
-                f"the data stream server died ({cause}); restarting from the latest checkpoint"
-            ) from None
-        except GetTimeoutError:
-            raise DataStreamLost(
-                f"rank {rank} waited {timeout_s:g} s (data.wait_timeout_s) for its next batch from the data "
-                "stream server and got none: the server or its Ray Data tasks are stalled (is there a free CPU "
-                "for them?); restarting from the latest checkpoint"
-            ) from None
-        for item in items:
-            if isinstance(item, str) and item == _END:
-                return
-            rows, meta = item
-            yield rows, DataState.from_dict(meta)

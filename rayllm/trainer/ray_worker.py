@@ -12,7 +12,7 @@ import torch
 from rayllm.checkpoint import checkpoint_name
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
-from rayllm.data.ray_stream import served_batches, start_server
+from rayllm.data.serve import served_batches, start_server
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
@@ -62,15 +62,16 @@ class RaySession:
                 state,
                 consumed=consumed,
                 global_batch=self.config.train.global_batch_size,
-                world_size=self.world_size,
+                data_slices=self.world_size // ranks_per_slice,
+                # One object per node's data ranks: a node pulls its rows once, its ranks view them.
+                slices_per_object=max(1, self.local_world_size // ranks_per_slice),
                 parallelism=self.config.data.tokenize_tasks,
                 name=name[0],
-                ranks_per_slice=ranks_per_slice,
             )
         if self.world_size > 1:
             dist.broadcast_object_list(name, src=0)
         server = self._server if self.rank == 0 else ray.get_actor(name[0])
-        return served_batches(server, self.rank, self.config.data.wait_timeout_s)
+        return served_batches(server, self.rank, self.world_size, self.config.data.wait_timeout_s)
 
     def close(self) -> None:
         if self._server is not None:

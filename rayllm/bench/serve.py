@@ -1,0 +1,209 @@
+"""``rayllm bench serve``: the stream server against the single-actor design it replaced, side by side.
+
+Simulated ranks take their slice of every step as fast as they can, from pre-tokenised
+shards the bench writes (so tokenizing does not hide serving). Ranks are asyncio tasks
+spread over a few consumer processes, as many ranks share a node. For each rank count it
+prints served tokens/s and the p50/p99 time a rank waits for its slice, for:
+
+- ``per-rank queues`` (the design before issue 18): one threaded actor, one queue and one
+  thread per rank, one call per rank per step carrying the rank's tokens;
+- ``object store`` (data/serve.py): one asyncio actor puts one object per node's worth of
+  slices and hands out references for every ready step in one call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayllm.config import StorageSettings
+from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
+from rayllm.data.source import SourcePlan
+
+RANKS = (1, 8, 64, 256, 1024)
+
+
+def write_token_shards(root: Path, shards: int, tokens_per_shard: int, seq_len: int) -> list[str]:
+    """Pre-tokenised parquet shards (a ``tokens`` column of documents of about seq_len tokens)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for s in range(shards):
+        docs = tokens_per_shard // seq_len
+        ids = rng.integers(1, 1000, size=(docs, seq_len), dtype=np.int32)
+        table = pa.table({"tokens": pa.array(list(ids), type=pa.list_(pa.int32()))})
+        path = root / f"part-{s:04d}.parquet"
+        pq.write_table(table, path)
+        paths.append(str(path))
+    return paths
+
+
+def _tokenizer_json() -> str:
+    from rayllm.data import tokenizer as tok
+
+    return tok.train_bpe(["alpha beta gamma delta"] * 8, 300).to_str()
+
+
+class PerRankQueues:
+    """The design before issue 18, kept here as the baseline: a thread and a queue per rank."""
+
+    def __init__(self, plan, global_batch: int, world_size: int, parallelism: int, depth: int = 4):
+        from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+
+        configure_ray_data()
+        self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
+
+        def produce():
+            stream = open_stream(
+                plan, DataState(), consumed=0, global_batch=global_batch, chunks=ray_chunks(parallelism)
+            )
+            for rows, meta in stream:
+                for rank, q in enumerate(self._queues):
+                    q.put((rank_slice(rows, rank, world_size), meta.to_dict()))
+
+        threading.Thread(target=produce, daemon=True).start()
+
+    def take(self, rank: int) -> list:
+        items = [self._queues[rank].get()]
+        while True:
+            try:
+                items.append(self._queues[rank].get_nowait())
+            except queue.Empty:
+                return items
+
+
+class Consumer:
+    """Simulated ranks (asyncio tasks) that take their slices of ``steps`` steps as fast as they can."""
+
+    async def run(self, server, design: str, ranks: list[int], world: int, steps: int) -> dict[str, Any]:
+        waits: list[float] = []
+        tokens = 0
+
+        async def per_rank_queues(rank: int) -> None:
+            nonlocal tokens
+            got = 0
+            while got < steps:
+                asked = time.perf_counter()
+                items = await server.take.remote(rank)
+                waits.append(time.perf_counter() - asked)
+                for rows, _ in items:
+                    tokens += rows["tokens"].size
+                got += len(items)
+
+        async def object_store(rank: int) -> None:
+            nonlocal tokens
+            held = 0
+            while held < steps:
+                asked = time.perf_counter()
+                reply = await server.steps.remote(rank, world, held)
+                objects = await asyncio.gather(*(ref for ref, *_ in reply))
+                waits.append(time.perf_counter() - asked)
+                for obj, (_, lo, hi, _) in zip(objects, reply, strict=True):
+                    tokens += obj[lo:hi]["tokens"].size
+                held += len(reply)
+
+        body = per_rank_queues if design == "per-rank queues" else object_store
+        started = time.perf_counter()
+        await asyncio.gather(*(body(r) for r in ranks))
+        return {"waits": waits, "tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+def _one(design: str, plan: StreamPlan, world: int, steps: int, consumers: int, parallelism: int) -> dict:
+    import ray
+
+    from rayllm.data.serve import StreamServer
+
+    global_batch = max(world, 256)
+    if design == "per-rank queues":
+        server = (
+            ray.remote(PerRankQueues)
+            .options(num_cpus=0, max_concurrency=world + 4)
+            .remote(plan, global_batch, world, parallelism)
+        )
+    else:
+        per_node = 8
+        server = (
+            ray.remote(StreamServer)
+            .options(num_cpus=0, max_concurrency=10_000)
+            .remote(plan, DataState().to_dict(), 0, global_batch, world, min(per_node, world), parallelism)
+        )
+    actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, world))]
+    ranks = [list(range(world))[i :: len(actors)] for i in range(len(actors))]
+    results = ray.get([a.run.remote(server, design, r, world, steps) for a, r in zip(actors, ranks, strict=True)])
+    for a in [*actors, server]:
+        ray.kill(a)
+    waits = sorted(w for r in results for w in r["waits"])
+    seconds = max(r["seconds"] for r in results)
+    return {
+        "design": design,
+        "ranks": world,
+        "tokens_per_s": sum(r["tokens"] for r in results) / seconds,
+        "p50_ms": 1000 * statistics.median(waits),
+        "p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
+        "calls": len(waits),
+        "steps": steps,
+    }
+
+
+def run(
+    ranks: tuple[int, ...] = RANKS,
+    seq_len: int = 2048,
+    steps: int = 20,
+    consumers: int = 4,
+    parallelism: int = 2,
+    cpus: int | None = None,
+) -> list[dict]:
+    import ray
+
+    root = Path(tempfile.mkdtemp(prefix="rayllm-bench-serve-"))
+    needed = max(max(ranks), 256) * steps * (seq_len + 1) * 2  # two designs' worth, each from the start
+    shards = write_token_shards(root, 32, needed // 32 + seq_len * 4, seq_len)
+    source = SourcePlan(
+        name="bench",
+        shards=shards,
+        weight=1.0,
+        text_field="text",
+        storage=StorageSettings(),
+        tokenizer_json=_tokenizer_json(),
+        seq_len=seq_len,
+        seed=0,
+        mix=32,
+        sizes=[os.path.getsize(s) for s in shards],
+        epochs_per_pass=2,
+    )
+    plan = StreamPlan(sources=[source], window=1, seed=0)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 (shared NOTES)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=cpus or os.cpu_count() or 2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        logging_level="WARNING",
+    )
+    rows = []
+    try:
+        for world in ranks:
+            for design in ("per-rank queues", "object store"):
+                rows.append(_one(design, plan, world, steps, consumers, parallelism))
+                print(_line(rows[-1]), flush=True)
+    finally:
+        ray.shutdown()
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (
+        f"{r['ranks']:>5} ranks  {r['design']:<16} {r['tokens_per_s'] / 1e6:8.2f} M tokens/s  "
+        f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  {r['calls'] / r['steps']:8.1f} calls/step"
+    )

@@ -1,0 +1,193 @@
+"""The global stream served to the ranks through Ray's object store, with no per-rank thread or queue.
+
+One ``StreamServer`` actor per training attempt runs the source pipelines (ray_stream.py) and
+the global order (order.py). Per step it puts the global batch into the object store as one
+object per *node's worth* of data-parallel slices (``slices_per_object``: the data ranks of
+one node), and records the references. A rank asks for the references of every step ready
+after the last one it holds: a call carries no tokens and covers every step the server is
+ahead by, so it answers about once per ``depth`` steps when data keeps up. The tokens go
+object store to object store, once per node, and each rank views its rows in place.
+
+The server is an asyncio actor: a waiting rank is a suspended coroutine, not a thread.
+The arithmetic for 1,000 GPUs is in docs/data.md.
+
+Written by hand because Ray Data's own splitting (``streaming_split``) hands out blocks as
+workers ask for them: it has no resumable position and its order depends on timing and on
+the number of workers (Ray issues #37633, #48224).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from rayllm.data.order import DataState, StreamPlan, open_stream
+from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+
+END = "end-of-stream"
+REPLY_WAIT_S = 5.0  # a call with nothing ready returns empty after this, and the rank asks again
+
+
+class StreamServer:
+    """Produces global batches ahead of the slowest rank (at most ``depth`` steps) and hands out references."""
+
+    def __init__(
+        self,
+        plan: StreamPlan,
+        state: dict[str, Any],
+        consumed: int,
+        global_batch: int,
+        data_slices: int,
+        slices_per_object: int,
+        parallelism: int,
+        depth: int = 8,
+    ):
+        configure_ray_data()
+        self._rows_per_slice = global_batch // data_slices
+        self._slices, self._per_object, self._depth = data_slices, max(1, slices_per_object), depth
+        self._steps: dict[int, tuple[list, dict]] = {}  # step of this attempt -> (object refs, data state)
+        self._published = 0
+        self._held: dict[int, int] = {}  # rank -> steps it has taken
+        self._ranks = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._news: asyncio.Event | None = None
+        args = (plan, DataState.from_dict(state), consumed, global_batch, parallelism)
+        threading.Thread(target=self._produce, args=args, daemon=True, name="rayllm-stream").start()
+
+    def _produce(self, plan, state, consumed, global_batch, parallelism) -> None:
+        import ray
+
+        try:
+            stream = open_stream(
+                plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(parallelism)
+            )
+            for rows, meta in stream:
+                rows_per_object = self._per_object * self._rows_per_slice
+                refs = [ray.put(rows[lo : lo + rows_per_object]) for lo in range(0, len(rows), rows_per_object)]
+                if not self._wait_for_room():
+                    return
+                self._steps[self._published] = (refs, meta.to_dict())
+                self._published += 1
+                self._announce()
+            self._done = True
+        except BaseException as e:  # handed to every rank, which raises it
+            self._error = e
+        self._announce()
+
+    def _wait_for_room(self) -> bool:
+        """Block the producer while it is ``depth`` steps ahead of the slowest rank; drop what all ranks hold."""
+        while not self._stop.is_set():
+            slowest = min(self._held.values()) if len(self._held) == self._ranks and self._ranks else 0
+            for step in [s for s in self._steps if s < slowest]:
+                del self._steps[step]  # ranks that took it hold their own reference
+            if self._published - slowest < self._depth:
+                return True
+            time.sleep(0.005)
+        return False
+
+    def _announce(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        news, self._news = self._news, asyncio.Event()
+        news.set()
+
+    async def steps(self, rank: int, world_size: int, held: int) -> list | str:
+        """References for ``rank``'s slice of every step after the first ``held`` that is ready
+        (empty after REPLY_WAIT_S with none), or END; raises the stream's error."""
+        if self._loop is None:
+            self._loop, self._news = asyncio.get_running_loop(), asyncio.Event()
+        self._ranks = world_size
+        self._held[rank] = held
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while self._published <= held:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return END
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            try:
+                await asyncio.wait_for(self._news.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+        data_slice = rank * self._slices // world_size
+        obj, offset = divmod(data_slice, self._per_object)
+        lo = offset * self._rows_per_slice
+        return [
+            (self._steps[s][0][obj], lo, lo + self._rows_per_slice, self._steps[s][1])
+            for s in range(held, self._published)
+        ]
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_server(
+    plan: StreamPlan,
+    state: DataState,
+    *,
+    consumed: int,
+    global_batch: int,
+    data_slices: int,
+    slices_per_object: int,
+    parallelism: int,
+    name: str,
+):
+    """Start the stream's actor beside the calling process (rank 0); it dies with its owner."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(StreamServer).options(
+        name=name,
+        num_cpus=0,
+        max_concurrency=10_000,  # waiting ranks are coroutines, not threads
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+    )
+    return actor.remote(plan, state.to_dict(), consumed, global_batch, data_slices, slices_per_object, parallelism)
+
+
+class DataStreamLost(RuntimeError):
+    """The stream server died or stalled. Not a user error: the attempt fails and Ray Train restarts
+    the run from its latest checkpoint, whose data state says where the new server starts."""
+
+
+def served_batches(server, rank: int, world_size: int, timeout_s: float) -> Iterator[tuple[Any, DataState]]:
+    """This rank's rows of each step (a view of its node's object) with the data state after it;
+    no wait is longer than ``timeout_s`` (data.wait_timeout_s)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    held, last = 0, time.monotonic()
+    while True:
+        try:
+            reply = ray.get(server.steps.remote(rank, world_size, held), timeout=timeout_s)
+            objects = ray.get([ref for ref, *_ in reply], timeout=timeout_s) if isinstance(reply, list) else []
+        except RayActorError as e:
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataStreamLost(
+                f"the data stream server died ({cause}); restarting from the latest checkpoint"
+            ) from None
+        except GetTimeoutError:
+            objects, reply = None, []
+        if reply == END:
+            return
+        if not reply and time.monotonic() - last > timeout_s:
+            raise DataStreamLost(
+                f"rank {rank} waited {timeout_s:g} s (data.wait_timeout_s) for its next batch from the data "
+                "stream server and got none: the server or its Ray Data tasks are stalled (is there a free CPU "
+                "for them?); restarting from the latest checkpoint"
+            )
+        for rows, (_, lo, hi, meta) in zip(objects or [], reply, strict=True):
+            held += 1
+            last = time.monotonic()
+            yield rows[lo:hi], DataState.from_dict(meta)
