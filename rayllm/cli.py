@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     bench_serve.add_argument("--steps", type=int, default=20, help="steps each rank takes")
     bench_serve.add_argument("--consumers", type=int, default=4, help="processes the simulated ranks share")
     bench_serve.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for Ray")
+    bench_serve.add_argument("--sources", default="memory,shards", help="memory (serving alone), shards, or both")
     bench_memory = bench_sub.add_parser("memory", help="stream a corpus larger than the object store; peak memory")
     bench_memory.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config for tokenizer and shapes")
     bench_memory.add_argument("overrides", nargs="*", help="dotted overrides")
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         from rayllm.bench import serve as bench_serve
 
         ranks = tuple(int(r) for r in args.ranks.split(","))
-        bench_serve.run(ranks, args.seq_len, args.steps, args.consumers, cpus=args.cpus)
+        sources = tuple(args.sources.split(","))
+        bench_serve.run(ranks, args.seq_len, args.steps, args.consumers, cpus=args.cpus, sources=sources)
         return 0
     if args.command == "bench" and args.bench_command == "gpu":
         from rayllm.bench import gpu as bench_gpu

@@ -14,6 +14,7 @@ prints served tokens/s and the p50/p99 time a rank waits for its slice, for:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import queue
 import statistics
@@ -27,9 +28,10 @@ import numpy as np
 
 from rayllm.config import StorageSettings
 from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
-from rayllm.data.source import SourcePlan
+from rayllm.data.source import RECORD_DTYPE_FIELDS, SourcePlan
 
 RANKS = (1, 8, 64, 256, 1024)
+SEQ_LEN = 2048
 
 
 def write_token_shards(root: Path, shards: int, tokens_per_shard: int, seq_len: int) -> list[str]:
@@ -42,7 +44,8 @@ def write_token_shards(root: Path, shards: int, tokens_per_shard: int, seq_len: 
     for s in range(shards):
         docs = tokens_per_shard // seq_len
         ids = rng.integers(1, 1000, size=(docs, seq_len), dtype=np.int32)
-        table = pa.table({"tokens": pa.array(list(ids), type=pa.list_(pa.int32()))})
+        offsets = pa.array(np.arange(0, ids.size + 1, seq_len, dtype=np.int32))
+        table = pa.table({"tokens": pa.ListArray.from_arrays(offsets, pa.array(ids.ravel()))})
         path = root / f"part-{s:04d}.parquet"
         pq.write_table(table, path)
         paths.append(str(path))
@@ -55,24 +58,35 @@ def _tokenizer_json() -> str:
     return tok.train_bpe(["alpha beta gamma delta"] * 8, 300).to_str()
 
 
+def _stream(plan: StreamPlan | int, global_batch: int, parallelism: int):
+    """The global batches a server serves: the plan's (pre-tokenised shards through Ray Data and
+    the global order), or for a sequence length one batch over and over (serving alone)."""
+    if isinstance(plan, StreamPlan):
+        from rayllm.data.ray_stream import ray_chunks
+
+        return open_stream(plan, DataState(), consumed=0, global_batch=global_batch, chunks=ray_chunks(parallelism))
+    rows = np.zeros(global_batch, dtype=[("tokens", np.int32, (plan + 1,)), *RECORD_DTYPE_FIELDS])
+    return itertools.repeat((rows, DataState()))
+
+
 class PerRankQueues:
     """The design before issue 18, kept here as the baseline: a thread and a queue per rank."""
 
     def __init__(self, plan, global_batch: int, world_size: int, parallelism: int, depth: int = 4):
-        from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+        from rayllm.data.ray_stream import configure_ray_data
 
         configure_ray_data()
         self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
 
         def produce():
-            stream = open_stream(
-                plan, DataState(), consumed=0, global_batch=global_batch, chunks=ray_chunks(parallelism)
-            )
-            for rows, meta in stream:
+            for rows, meta in _stream(plan, global_batch, parallelism):
                 for rank, q in enumerate(self._queues):
                     q.put((rank_slice(rows, rank, world_size), meta.to_dict()))
 
         threading.Thread(target=produce, daemon=True).start()
+
+    def cpu_seconds(self) -> float:
+        return time.process_time()
 
     def take(self, rank: int) -> list:
         items = [self._queues[rank].get()]
@@ -83,46 +97,59 @@ class PerRankQueues:
                 return items
 
 
+def _object_store_server():
+    from rayllm.data.serve import StreamServer
+
+    class BenchStreamServer(StreamServer):
+        def _stream(self, plan, state, consumed, global_batch, parallelism):
+            return _stream(plan, global_batch, parallelism)
+
+        async def cpu_seconds(self) -> float:
+            return time.process_time()
+
+    return BenchStreamServer
+
+
 class Consumer:
-    """Simulated ranks (asyncio tasks) that take their slices of ``steps`` steps as fast as they can."""
+    """Simulated ranks (asyncio tasks) that take their slices as fast as they can: one untimed
+    step each (actors and pipelines starting), then ``steps`` timed ones."""
 
     async def run(self, server, design: str, ranks: list[int], world: int, steps: int) -> dict[str, Any]:
         waits: list[float] = []
         tokens = 0
+        warm = asyncio.Event()
+        warmed = 0
 
-        async def per_rank_queues(rank: int) -> None:
-            nonlocal tokens
-            got = 0
-            while got < steps:
+        async def fetch(rank: int, held: int) -> list:
+            if design == "per-rank queues":
+                return [rows for rows, _ in await server.take.remote(rank)]
+            reply = await server.steps.remote(rank, world, held)
+            objects = await asyncio.gather(*(ref for ref, *_ in reply))
+            return [obj[lo:hi] for obj, (_, lo, hi, _) in zip(objects, reply, strict=True)]
+
+        async def rank_loop(rank: int) -> None:
+            nonlocal tokens, warmed
+            held = len(await fetch(rank, 0))
+            warmed += 1
+            if warmed == len(ranks):
+                warm.set()
+            await warm.wait()
+            while held < steps + 1:
                 asked = time.perf_counter()
-                items = await server.take.remote(rank)
+                slices = await fetch(rank, held)
                 waits.append(time.perf_counter() - asked)
-                for rows, _ in items:
-                    tokens += rows["tokens"].size
-                got += len(items)
+                tokens += sum(rows["tokens"].size for rows in slices)
+                held += len(slices)
 
-        async def object_store(rank: int) -> None:
-            nonlocal tokens
-            held = 0
-            while held < steps:
-                asked = time.perf_counter()
-                reply = await server.steps.remote(rank, world, held)
-                objects = await asyncio.gather(*(ref for ref, *_ in reply))
-                waits.append(time.perf_counter() - asked)
-                for obj, (_, lo, hi, _) in zip(objects, reply, strict=True):
-                    tokens += obj[lo:hi]["tokens"].size
-                held += len(reply)
-
-        body = per_rank_queues if design == "per-rank queues" else object_store
+        tasks = [asyncio.ensure_future(rank_loop(r)) for r in ranks]
+        await warm.wait()
         started = time.perf_counter()
-        await asyncio.gather(*(body(r) for r in ranks))
+        await asyncio.gather(*tasks)
         return {"waits": waits, "tokens": tokens, "seconds": time.perf_counter() - started}
 
 
-def _one(design: str, plan: StreamPlan, world: int, steps: int, consumers: int, parallelism: int) -> dict:
+def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers: int, parallelism: int) -> dict:
     import ray
-
-    from rayllm.data.serve import StreamServer
 
     global_batch = max(world, 256)
     if design == "per-rank queues":
@@ -134,40 +161,47 @@ def _one(design: str, plan: StreamPlan, world: int, steps: int, consumers: int, 
     else:
         per_node = 8
         server = (
-            ray.remote(StreamServer)
+            ray.remote(_object_store_server())
             .options(num_cpus=0, max_concurrency=10_000)
             .remote(plan, DataState().to_dict(), 0, global_batch, world, min(per_node, world), parallelism)
         )
     actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, world))]
     ranks = [list(range(world))[i :: len(actors)] for i in range(len(actors))]
+    cpu = ray.get(server.cpu_seconds.remote())
     results = ray.get([a.run.remote(server, design, r, world, steps) for a, r in zip(actors, ranks, strict=True)])
+    cpu = ray.get(server.cpu_seconds.remote()) - cpu  # the server's CPU (all its threads) while serving
     for a in [*actors, server]:
         ray.kill(a)
     waits = sorted(w for r in results for w in r["waits"])
     seconds = max(r["seconds"] for r in results)
     return {
         "design": design,
+        "source": "shards" if isinstance(plan, StreamPlan) else "memory",
         "ranks": world,
         "tokens_per_s": sum(r["tokens"] for r in results) / seconds,
         "p50_ms": 1000 * statistics.median(waits),
         "p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
         "calls": len(waits),
+        "server_cpu_ms_per_step": 1000 * cpu / (steps + 1),
         "steps": steps,
     }
 
 
 def run(
     ranks: tuple[int, ...] = RANKS,
-    seq_len: int = 2048,
+    seq_len: int = SEQ_LEN,
     steps: int = 20,
     consumers: int = 4,
     parallelism: int = 2,
     cpus: int | None = None,
+    sources: tuple[str, ...] = ("memory", "shards"),
 ) -> list[dict]:
+    """Each design at each rank count, serving one batch over and over (``memory``: serving
+    alone) and from pre-tokenised shards (``shards``: with the pipeline that feeds it)."""
     import ray
 
     root = Path(tempfile.mkdtemp(prefix="rayllm-bench-serve-"))
-    needed = max(max(ranks), 256) * steps * (seq_len + 1) * 2  # two designs' worth, each from the start
+    needed = max(max(ranks), 256) * steps * (seq_len + 1)  # each design reads from the start
     shards = write_token_shards(root, 32, needed // 32 + seq_len * 4, seq_len)
     source = SourcePlan(
         name="bench",
@@ -193,10 +227,12 @@ def run(
     )
     rows = []
     try:
-        for world in ranks:
-            for design in ("per-rank queues", "object store"):
-                rows.append(_one(design, plan, world, steps, consumers, parallelism))
-                print(_line(rows[-1]), flush=True)
+        for source in sources:
+            for world in ranks:
+                for design in ("per-rank queues", "object store"):
+                    served = plan if source == "shards" else seq_len
+                    rows.append(_one(design, served, world, steps, consumers, parallelism))
+                    print(_line(rows[-1]), flush=True)
     finally:
         ray.shutdown()
     return rows
@@ -204,6 +240,7 @@ def run(
 
 def _line(r: dict) -> str:
     return (
-        f"{r['ranks']:>5} ranks  {r['design']:<16} {r['tokens_per_s'] / 1e6:8.2f} M tokens/s  "
-        f"p50 {r['p50_ms']:8.1f} ms  p99 {r['p99_ms']:8.1f} ms  {r['calls'] / r['steps']:8.1f} calls/step"
+        f"{r['source']:<7}{r['ranks']:>5} ranks  {r['design']:<16} {r['tokens_per_s'] / 1e6:8.2f} M tokens/s  "
+        f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['calls'] / r['steps']:6.1f} calls/step  "
+        f"server CPU {r['server_cpu_ms_per_step']:6.1f} ms/step"
     )

@@ -227,6 +227,11 @@ def open_stream(
     return step_batches(windows, start=consumed, global_batch=global_batch)
 
 
+def first_batches(plan: StreamPlan, count: int, global_batch: int) -> list[np.ndarray]:
+    """The first ``count`` global batches of a stream, computed in-process (validation: small, read once)."""
+    return [rows for _, (rows, _) in zip(range(count), local_stream(plan, global_batch=global_batch), strict=False)]
+
+
 def local_stream(plan: StreamPlan, state: DataState | None = None, *, consumed: int = 0, global_batch: int):
     """The stream computed in-process, without Ray (torchrun, validation, tests)."""
     return open_stream(plan, state or DataState(), consumed=consumed, global_batch=global_batch, chunks=local_chunks)

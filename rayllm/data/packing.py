@@ -26,7 +26,9 @@ def pack(
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     first = True
     for doc, ids in documents:
-        seq = np.fromiter((*ids, eos), dtype=np.int32, count=len(ids) + 1)
+        seq = np.empty(len(ids) + 1, dtype=np.int32)
+        seq[:-1] = ids  # a list (tokenizers) or an array (pre-tokenised shards), converted in C
+        seq[-1] = eos
         off = np.arange(len(seq), dtype=np.int64)
         if first:
             seq, off, first = seq[first_offset:], off[first_offset:], False

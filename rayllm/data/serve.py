@@ -5,7 +5,7 @@ the global order (order.py). Per step it puts the global batch into the object s
 object per *node's worth* of data-parallel slices (``slices_per_object``: the data ranks of
 one node), and records the references. A rank asks for the references of every step ready
 after the last one it holds: a call carries no tokens and covers every step the server is
-ahead by, so it answers about once per ``depth`` steps when data keeps up. The tokens go
+ahead by (up to 32), so it answers about once per many steps when data keeps up. The tokens go
 object store to object store, once per node, and each rank views its rows in place.
 
 The server is an asyncio actor: a waiting rank is a suspended coroutine, not a thread.
@@ -43,11 +43,13 @@ class StreamServer:
         data_slices: int,
         slices_per_object: int,
         parallelism: int,
-        depth: int = 8,
+        depth: int | None = None,
     ):
         configure_ray_data()
         self._rows_per_slice = global_batch // data_slices
-        self._slices, self._per_object, self._depth = data_slices, max(1, slices_per_object), depth
+        self._slices, self._depth = data_slices, depth or MAX_DEPTH  # sized by the first batch unless given
+        self._per_object = max(1, slices_per_object)  # fixed by the first batch's bytes (_object_slices)
+        self._sized = False
         self._steps: dict[int, tuple[list, dict]] = {}  # step of this attempt -> (object refs, data state)
         self._published = 0
         self._held: dict[int, int] = {}  # rank -> steps it has taken
@@ -64,10 +66,11 @@ class StreamServer:
         import ray
 
         try:
-            stream = open_stream(
-                plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(parallelism)
-            )
-            for rows, meta in stream:
+            for rows, meta in self._stream(plan, state, consumed, global_batch, parallelism):
+                if not self._sized:
+                    self._per_object = _object_slices(self._per_object, rows.nbytes // self._slices, self._slices)
+                    self._depth = min(self._depth, max(MIN_DEPTH, AHEAD_BYTES // max(1, rows.nbytes)))
+                    self._sized = True
                 rows_per_object = self._per_object * self._rows_per_slice
                 refs = [ray.put(rows[lo : lo + rows_per_object]) for lo in range(0, len(rows), rows_per_object)]
                 if not self._wait_for_room():
@@ -79,6 +82,9 @@ class StreamServer:
         except BaseException as e:  # handed to every rank, which raises it
             self._error = e
         self._announce()
+
+    def _stream(self, plan, state, consumed, global_batch, parallelism) -> Iterator[tuple[Any, DataState]]:
+        return open_stream(plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(parallelism))
 
     def _wait_for_room(self) -> bool:
         """Block the producer while it is ``depth`` steps ahead of the slowest rank; drop what all ranks hold."""
@@ -132,6 +138,19 @@ class StreamServer:
         self._stop.set()
 
 
+# Steps the server runs ahead of the slowest rank: up to MAX_DEPTH, within AHEAD_BYTES of the
+# object store. A rank's call returns every ready step, so the deeper, the fewer calls.
+MAX_DEPTH, MIN_DEPTH, AHEAD_BYTES = 32, 4, 512 << 20
+MIN_OBJECT_BYTES = 1 << 20  # above Ray's inline limit (100 KB): a node fetches it once from the object store
+
+
+def _object_slices(per_node: int, slice_bytes: int, slices: int) -> int:
+    """Slices per object: a node's worth, widened to at least MIN_OBJECT_BYTES. A smaller object
+    would be inlined in the server's memory and every rank would fetch it from the server."""
+    wanted = max(per_node, -(-MIN_OBJECT_BYTES // max(1, slice_bytes)))
+    return min(slices, -(-wanted // per_node) * per_node)  # whole nodes' worth
+
+
 def start_server(
     plan: StreamPlan,
     state: DataState,
@@ -151,6 +170,8 @@ def start_server(
         name=name,
         num_cpus=0,
         max_concurrency=10_000,  # waiting ranks are coroutines, not threads
+        # The producer thread's ray.get (Ray Data) is not on the event loop: Ray's warning does not apply.
+        runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
     )
     return actor.remote(plan, state.to_dict(), consumed, global_batch, data_slices, slices_per_object, parallelism)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import numpy as np
+
 from rayllm.config import StorageSettings
 from rayllm.errors import DataError
 from rayllm.storage import filesystem
@@ -130,15 +132,20 @@ def iter_token_documents(uri: str, storage: StorageSettings) -> Iterator[list[in
     return _token_lists(fs, path, uri)
 
 
-def _token_lists(fs, path: str, uri: str) -> Iterator[list[int]]:
+def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
+    """Each document's token ids as a view into its batch's values (no Python list per document)."""
     import pyarrow.parquet as pq
 
     try:
         with fs.open(path, "rb") as f:
             for batch in pq.ParquetFile(f).iter_batches(columns=[TOKENS_COLUMN], batch_size=1024):
-                for ids in batch.column(0).to_pylist():
-                    if ids:
-                        yield ids
+                column = batch.column(0)
+                # offsets index the whole values buffer (.values ignores a slice's offset, offsets keep it)
+                offsets = column.offsets.to_numpy()
+                values = column.values.to_numpy(zero_copy_only=False)
+                for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
+                    if hi > lo:
+                        yield values[lo:hi]
     except FileNotFoundError:
         raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
     except Exception as e:

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from rayllm.config import StorageSettings, TrainConfig
+from rayllm.data.order import first_batches
 from rayllm.data.plan import prepare_data
 from rayllm.errors import RayllmError
 from rayllm.parallel.layout import usable_world_sizes
@@ -164,6 +165,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             "queue": records,
             "plans": plans,
             "control": control,
+            # Validation is tokenized once per run, here, not once per rank.
+            "validation": ray.put(first_batches(plans.val, t.val_batches, t.global_batch_size) if plans.val else []),
         },
         scaling_config=ray.train.ScalingConfig(
             num_workers=lo if lo == hi else (lo, hi),

@@ -20,7 +20,7 @@ from rayllm.trainer.signals import WORKER
 
 
 class RaySession:
-    def __init__(self, config: TrainConfig, queue, plans, control=None):
+    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None):
         import ray
         import ray.train
 
@@ -33,6 +33,7 @@ class RaySession:
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
         self._server = None
+        self._validation = validation  # an object ref: the validation batches
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
         self.node = ray.get_runtime_context().get_node_id()[:8]
         self._stop_checked_at = 0.0
@@ -72,6 +73,12 @@ class RaySession:
             dist.broadcast_object_list(name, src=0)
         server = self._server if self.rank == 0 else ray.get_actor(name[0])
         return served_batches(server, self.rank, self.world_size, self.config.data.wait_timeout_s)
+
+    def validation_batches(self) -> list:
+        """Packed once by the driver (launch.py) and fetched from the object store, once per node."""
+        import ray
+
+        return ray.get(self._validation, timeout=self.config.data.wait_timeout_s)
 
     def close(self) -> None:
         if self._server is not None:
@@ -167,7 +174,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
     control = loop_config["control"]
-    session = RaySession(config, loop_config["queue"], loop_config["plans"], control)
+    session = RaySession(config, loop_config["queue"], loop_config["plans"], control, loop_config["validation"])
     attempt = _begin_attempt(control, session.rank)
     trainer = None
     try:

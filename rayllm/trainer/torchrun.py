@@ -14,11 +14,12 @@ import signal
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from rayllm.config import TrainConfig
-from rayllm.data.order import DataState, local_stream, rank_slice
+from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
 from rayllm.data.plan import DataPlans, prepare_data
 from rayllm.errors import RayllmError
 from rayllm.storage import is_remote
@@ -51,6 +52,11 @@ class LocalSession:
         )
         slice_, slices = self.rank // ranks_per_slice, self.world_size // ranks_per_slice
         return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
+
+    def validation_batches(self) -> list[np.ndarray]:
+        """Each rank packs the (small) validation batches itself: no Ray here to share them."""
+        t = self.config.train
+        return first_batches(self.val_plan, t.val_batches, t.global_batch_size)
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         pass  # the commit marker is the whole registration

@@ -13,7 +13,7 @@ import torch
 
 from rayllm.config import TrainConfig
 from rayllm.data import tokenizer as tokenizers
-from rayllm.data.order import local_stream, rank_slice
+from rayllm.data.order import rank_slice
 from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.tp import loss_context
@@ -40,20 +40,15 @@ class Validator:
         layout: Layout,
         data_rank: int,
     ):
-        self.config, self.val_plan, self.train_plan = config, session.val_plan, session.train_plan
+        self.config, self.session = config, session
+        self.val_plan, self.train_plan = session.val_plan, session.train_plan
         self.model, self.device, self.layout, self.data_rank = model, session.device, layout, data_rank
         self._rows: list[np.ndarray] | None = None
         self._tokenizer = None
         self._eos: int | None = None
 
     def _load_rows(self) -> list[np.ndarray]:
-        # Validation data is small (val_batches x global batch): each rank reads it in-process.
-        t = self.config.train
-        batches = local_stream(self.val_plan, global_batch=t.global_batch_size)
-        return [
-            rank_slice(rows, self.data_rank, self.layout.dp)
-            for _, (rows, _) in zip(range(t.val_batches), batches, strict=False)
-        ]
+        return [rank_slice(rows, self.data_rank, self.layout.dp) for rows in self.session.validation_batches()]
 
     @torch.no_grad()
     def loss(self) -> float | None:
