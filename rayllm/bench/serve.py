@@ -69,6 +69,10 @@ def _stream(plan: StreamPlan | int, global_batch: int, parallelism: int):
     return itertools.repeat((rows, DataState()))
 
 
+def _seq_len(plan: StreamPlan | int) -> int:
+    return plan.sources[0].seq_len if isinstance(plan, StreamPlan) else plan
+
+
 class PerRankQueues:
     """The design before issue 18, kept here as the baseline: a thread and a queue per rank."""
 
@@ -77,16 +81,19 @@ class PerRankQueues:
 
         configure_ray_data()
         self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
+        self.produced = 0
 
         def produce():
             for rows, meta in _stream(plan, global_batch, parallelism):
                 for rank, q in enumerate(self._queues):
                     q.put((rank_slice(rows, rank, world_size), meta.to_dict()))
+                self.produced += 1
 
         threading.Thread(target=produce, daemon=True).start()
 
-    def cpu_seconds(self) -> float:
-        return time.process_time()
+    def counters(self) -> tuple[float, int]:
+        """CPU seconds of this process (all threads) and steps produced."""
+        return time.process_time(), self.produced
 
     def take(self, rank: int) -> list:
         items = [self._queues[rank].get()]
@@ -104,15 +111,15 @@ def _object_store_server():
         def _stream(self, plan, state, consumed, global_batch, parallelism):
             return _stream(plan, global_batch, parallelism)
 
-        async def cpu_seconds(self) -> float:
-            return time.process_time()
+        async def counters(self) -> tuple[float, int]:
+            return time.process_time(), self._published
 
     return BenchStreamServer
 
 
 class Consumer:
-    """Simulated ranks (asyncio tasks) that take their slices as fast as they can: one untimed
-    step each (actors and pipelines starting), then ``steps`` timed ones."""
+    """Simulated ranks (asyncio tasks) that take their slices as fast as they can: what is ready
+    at first untimed (actors and pipelines starting), then timed up to step ``1 + steps``."""
 
     async def run(self, server, design: str, ranks: list[int], world: int, steps: int) -> dict[str, Any]:
         waits: list[float] = []
@@ -129,20 +136,28 @@ class Consumer:
 
         async def rank_loop(rank: int) -> None:
             nonlocal tokens, warmed
-            held = len(await fetch(rank, 0))
-            warmed += 1
-            if warmed == len(ranks):
-                warm.set()
+            held = 0
+            try:
+                while held < 1:
+                    held = min(1, len(await fetch(rank, 0)))  # the rest is asked for again
+            finally:  # a failed rank must not leave the others waiting
+                warmed += 1
+                if warmed == len(ranks):
+                    warm.set()
             await warm.wait()
-            while held < steps + 1:
+            # One end for all: a rank that stopped early would pin the server's window, since the
+            # server frees a step only when every rank has asked past it.
+            end = 1 + steps
+            while held < end:
                 asked = time.perf_counter()
-                slices = await fetch(rank, held)
-                waits.append(time.perf_counter() - asked)
+                slices = (await fetch(rank, held))[: end - held]
+                # The wait for the first step of a reply; the rest of it came with no wait of its own.
+                waits.extend([time.perf_counter() - asked] + [0.0] * (len(slices) - 1))
                 tokens += sum(rows["tokens"].size for rows in slices)
                 held += len(slices)
 
         tasks = [asyncio.ensure_future(rank_loop(r)) for r in ranks]
-        await warm.wait()
+        await asyncio.wait_for(warm.wait(), timeout=600)
         started = time.perf_counter()
         await asyncio.gather(*tasks)
         return {"waits": waits, "tokens": tokens, "seconds": time.perf_counter() - started}
@@ -167,22 +182,26 @@ def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers:
         )
     actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, world))]
     ranks = [list(range(world))[i :: len(actors)] for i in range(len(actors))]
-    cpu = ray.get(server.cpu_seconds.remote())
+    cpu, produced = ray.get(server.counters.remote())
     results = ray.get([a.run.remote(server, design, r, world, steps) for a, r in zip(actors, ranks, strict=True)])
-    cpu = ray.get(server.cpu_seconds.remote()) - cpu  # the server's CPU (all its threads) while serving
+    cpu_end, produced_end = ray.get(server.counters.remote())
+    per_step = (cpu_end - cpu) / max(1, produced_end - produced)  # the server's CPU (all threads) per step
     for a in [*actors, server]:
         ray.kill(a)
+    served, expected = sum(r["tokens"] for r in results), steps * global_batch * (_seq_len(plan) + 1)
+    if served != expected:  # every rank takes its whole slice of each timed step
+        raise RuntimeError(f"{design}: served {served} tokens in {steps} steps, expected {expected}")
     waits = sorted(w for r in results for w in r["waits"])
     seconds = max(r["seconds"] for r in results)
     return {
         "design": design,
         "source": "shards" if isinstance(plan, StreamPlan) else "memory",
         "ranks": world,
-        "tokens_per_s": sum(r["tokens"] for r in results) / seconds,
+        "tokens_per_s": served / seconds,
         "p50_ms": 1000 * statistics.median(waits),
         "p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
-        "calls": len(waits),
-        "server_cpu_ms_per_step": 1000 * cpu / (steps + 1),
+        "calls": sum(1 for w in waits if w > 0),
+        "server_cpu_ms_per_step": 1000 * per_step,
         "steps": steps,
     }
 
@@ -201,7 +220,7 @@ def run(
     import ray
 
     root = Path(tempfile.mkdtemp(prefix="rayllm-bench-serve-"))
-    needed = max(max(ranks), 256) * steps * (seq_len + 1)  # each design reads from the start
+    needed = max(max(ranks), 256) * (steps + 40) * (seq_len + 1)  # each design reads from the start
     shards = write_token_shards(root, 32, needed // 32 + seq_len * 4, seq_len)
     source = SourcePlan(
         name="bench",

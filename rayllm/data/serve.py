@@ -48,11 +48,12 @@ class StreamServer:
         configure_ray_data()
         self._rows_per_slice = global_batch // data_slices
         self._slices, self._depth = data_slices, depth or MAX_DEPTH  # sized by the first batch unless given
-        self._per_object = max(1, slices_per_object)  # fixed by the first batch's bytes (_object_slices)
-        self._sized = False
+        self._per_object = max(1, slices_per_object)
+        self._sized = False  # depth fixed by the first batch's bytes
         self._steps: dict[int, tuple[list, dict]] = {}  # step of this attempt -> (object refs, data state)
         self._published = 0
-        self._held: dict[int, int] = {}  # rank -> steps it has taken
+        self._held: dict[int, int] = {}  # rank -> steps it has taken (written on the event loop)
+        self._held_lock = threading.Lock()  # ... and read by the producer thread
         self._ranks = 0
         self._done = False
         self._error: BaseException | None = None
@@ -68,7 +69,6 @@ class StreamServer:
         try:
             for rows, meta in self._stream(plan, state, consumed, global_batch, parallelism):
                 if not self._sized:
-                    self._per_object = _object_slices(self._per_object, rows.nbytes // self._slices, self._slices)
                     self._depth = min(self._depth, max(MIN_DEPTH, AHEAD_BYTES // max(1, rows.nbytes)))
                     self._sized = True
                 rows_per_object = self._per_object * self._rows_per_slice
@@ -89,7 +89,8 @@ class StreamServer:
     def _wait_for_room(self) -> bool:
         """Block the producer while it is ``depth`` steps ahead of the slowest rank; drop what all ranks hold."""
         while not self._stop.is_set():
-            slowest = min(self._held.values()) if len(self._held) == self._ranks and self._ranks else 0
+            with self._held_lock:
+                slowest = min(self._held.values()) if len(self._held) == self._ranks and self._ranks else 0
             for step in [s for s in self._steps if s < slowest]:
                 del self._steps[step]  # ranks that took it hold their own reference
             if self._published - slowest < self._depth:
@@ -112,7 +113,8 @@ class StreamServer:
         if self._loop is None:
             self._loop, self._news = asyncio.get_running_loop(), asyncio.Event()
         self._ranks = world_size
-        self._held[rank] = held
+        with self._held_lock:
+            self._held[rank] = held
         deadline = time.monotonic() + REPLY_WAIT_S
         while self._published <= held:
             if self._error is not None:
@@ -141,14 +143,6 @@ class StreamServer:
 # Steps the server runs ahead of the slowest rank: up to MAX_DEPTH, within AHEAD_BYTES of the
 # object store. A rank's call returns every ready step, so the deeper, the fewer calls.
 MAX_DEPTH, MIN_DEPTH, AHEAD_BYTES = 32, 4, 512 << 20
-MIN_OBJECT_BYTES = 1 << 20  # above Ray's inline limit (100 KB): a node fetches it once from the object store
-
-
-def _object_slices(per_node: int, slice_bytes: int, slices: int) -> int:
-    """Slices per object: a node's worth, widened to at least MIN_OBJECT_BYTES. A smaller object
-    would be inlined in the server's memory and every rank would fetch it from the server."""
-    wanted = max(per_node, -(-MIN_OBJECT_BYTES // max(1, slice_bytes)))
-    return min(slices, -(-wanted // per_node) * per_node)  # whole nodes' worth
 
 
 def start_server(
