@@ -5,15 +5,16 @@ processes at the same global batch; a stopped run resumes where it stopped.
 """
 
 import json
+import os
 import subprocess
 
 import pytest
 from conftest import torchrun_cmd
 
 
-def torchrun(nproc: int, overrides: list[str]) -> list[dict]:
+def torchrun(nproc: int, overrides: list[str], env: dict[str, str] | None = None) -> list[dict]:
     cmd = torchrun_cmd(nproc, overrides)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir="))
     with open(f"{run_dir}/metrics.jsonl") as f:
@@ -37,9 +38,19 @@ def base(overrides):
 
 
 def test_one_and_two_fsdp_processes_give_the_same_losses(base, tmp_path):
-    one = losses(torchrun(1, [*base, f"run.dir={tmp_path / 'one'}"]))
-    two = losses(torchrun(2, [*base, f"run.dir={tmp_path / 'two'}"]))
+    one_records = torchrun(1, [*base, f"run.dir={tmp_path / 'one'}"])
+    # Rank 1 is starved of data for 0.3 s a step: the logged wait names it, and the losses do not move.
+    two_records = torchrun(2, [*base, f"run.dir={tmp_path / 'two'}"], env={"RAYLLM_FAULT_SLOW_DATA": "1:0.3"})
+    one, two = losses(one_records), losses(two_records)
     assert sorted(one) == sorted(two) == list(range(1, 7))
+    for r in one_records:
+        if r["kind"] == "train":
+            assert r["data_wait_max_rank"] == 0 and r["data_wait_max_frac"] == pytest.approx(r["data_wait_frac"])
+    for r in two_records:
+        if r["kind"] == "train" and r["step"] >= 2:  # past the stream's start, where rank 0 waits too
+            assert r["data_wait_max_rank"] == 1, r
+            assert r["data_wait_max_frac"] >= 0.3 / r["step_time_s"] - 0.01, r
+            assert r["data_wait_frac"] < 0.75 * r["data_wait_max_frac"], r  # rank 0 barely waits
     for step in one:
         assert abs(one[step] - two[step]) / one[step] <= 1e-4, (step, one[step], two[step])
     assert one[6] < one[1]

@@ -13,6 +13,9 @@ node added, a resize) has happened, however fast or slow the machine is.
 
 ``RAYLLM_FAULT_RAISE_AT=STEP`` makes rank 0 raise the same ValueError in step STEP on every
 attempt: an error no restart fixes.
+
+``RAYLLM_FAULT_SLOW_DATA=RANK:SECONDS`` makes rank RANK's every wait for data SECONDS longer:
+a starved rank, which the logged data wait must name.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ CRASH_BEFORE_COMMIT = "RAYLLM_FAULT_CRASH_BEFORE_COMMIT"
 PAUSE_AT = "RAYLLM_FAULT_PAUSE_AT"
 NAN_FROM = "RAYLLM_FAULT_NAN_FROM"
 RAISE_AT = "RAYLLM_FAULT_RAISE_AT"
-ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT, NAN_FROM, RAISE_AT)
+SLOW_DATA = "RAYLLM_FAULT_SLOW_DATA"
+ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT, NAN_FROM, RAISE_AT, SLOW_DATA)
 
 
 def maybe_crash_before_commit(step: int, rank: int, world_size: int) -> None:
@@ -57,3 +61,11 @@ def maybe_raise_at(step: int, rank: int) -> None:
     wanted = os.environ.get(RAISE_AT)
     if wanted and rank == 0 and step == int(wanted):
         raise ValueError(f"injected deterministic failure in step {step}")
+
+
+def maybe_slow_data(rank: int) -> None:
+    wanted = os.environ.get(SLOW_DATA)
+    if wanted:
+        slow_rank, seconds = wanted.split(":", 1)
+        if int(slow_rank) == rank:
+            time.sleep(float(seconds))

@@ -362,6 +362,7 @@ class Trainer:
         faults.maybe_pause_before(self.step + 1)
         faults.maybe_raise_at(self.step + 1, self.session.rank)
         with window.waiting():
+            faults.maybe_slow_data(self.session.rank)
             rows, data_state = next(batches)
         loss, grad_norm = self.train_step(rows)
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step

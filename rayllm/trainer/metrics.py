@@ -37,6 +37,16 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def per_rank(value: float, device: torch.device) -> list[float]:
+    """Collective: each rank's ``value``, in rank order (no collective on a single rank)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return torch.cat(gathered).tolist()
+
+
 def peak_memory(device: torch.device) -> int:
     """Bytes: the most the device held (CUDA), else the process's peak resident memory."""
     if device.type == "cuda":
@@ -53,8 +63,8 @@ def mixture(sources: Sequence[str], counts: np.ndarray) -> dict[str, float]:
 class MetricWindow:
     """The steps since the last log line of one rank, and the metrics they make.
 
-    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: one all-reduce of the window's loss,
-    data wait and source counts, so every rank calls it at the same steps) makes the logged
+    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: an all-reduce of the window's loss
+    and source counts and an all-gather of each rank's data wait, so every rank calls it at the same steps) makes the logged
     metrics and empties the window; ``start`` restarts its clock (it starts with the window).
 
     Of the session it reads the world size, the device and the training sources' names; MFU is
@@ -106,7 +116,8 @@ class MetricWindow:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self.started
-        loss_sum, wait_sum, *summed = all_sum([self.loss, self.wait, *counts], self.device)
+        loss_sum, *summed = all_sum([self.loss, *counts], self.device)
+        waits = per_rank(self.wait, self.device)  # the slowest-fed rank is named, not averaged away
         shares = mixture(self.sources, self.counts_before + np.asarray(summed, dtype=np.int64))
         tps = self.tokens_per_step * self.steps / elapsed
         mean_loss = loss_sum / self.world_size / self.steps
@@ -122,7 +133,9 @@ class MetricWindow:
             "flops_per_s": tps * self.flops_per_token,
             "mfu": tps * self.flops_per_token / self.peak_flops,
             "step_time_s": elapsed / self.steps,
-            "data_wait_frac": wait_sum / self.world_size / elapsed,
+            "data_wait_frac": sum(waits) / len(waits) / elapsed,
+            "data_wait_max_frac": max(waits) / elapsed,
+            "data_wait_max_rank": int(np.argmax(waits)),
             "peak_memory_bytes": peak_memory(self.device),
             "world_size": self.world_size,
             "restarts": self.restarts,

@@ -28,6 +28,8 @@ TRAIN_METRICS = (
     "mfu",
     "step_time_s",
     "data_wait_frac",
+    "data_wait_max_frac",
+    "data_wait_max_rank",
     "peak_memory_bytes",
     "world_size",
     "restarts",
