@@ -31,6 +31,7 @@ from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
 from rayllm.data.source import RECORD_DTYPE_FIELDS, SourcePlan
 
 RANKS = (1, 8, 64, 256, 1024)
+FETCH_TIMEOUT_S = 120  # no wait in the bench is unbounded
 SEQ_LEN = 2048
 
 
@@ -127,11 +128,20 @@ class Consumer:
         warm = asyncio.Event()
         warmed = 0
 
+        pulled: dict[bytes, asyncio.Future] = {}  # object -> its fetch, shared by this process's ranks
+
+        def pull(ref) -> asyncio.Future:
+            # One fetch per object per process, as a node pulls each object once: a thousand ranks
+            # awaiting the same references at once once left one await hanging (Ray 2.60).
+            if ref.binary() not in pulled:
+                pulled[ref.binary()] = asyncio.ensure_future(asyncio.wait_for(ref, timeout=FETCH_TIMEOUT_S))
+            return pulled[ref.binary()]
+
         async def fetch(rank: int, held: int) -> list:
             if design == "per-rank queues":
                 return [rows for rows, _ in await server.take.remote(rank)]
             reply = await server.steps.remote(rank, world, held)
-            objects = await asyncio.gather(*(ref for ref, *_ in reply))
+            objects = await asyncio.gather(*(asyncio.shield(pull(ref)) for ref, *_ in reply))
             return [obj[lo:hi] for obj, (_, lo, hi, _) in zip(objects, reply, strict=True)]
 
         async def rank_loop(rank: int) -> None:
