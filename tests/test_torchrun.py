@@ -54,6 +54,13 @@ def test_one_and_two_fsdp_processes_give_the_same_losses(base, tmp_path):
     for step in one:
         assert abs(one[step] - two[step]) / one[step] <= 1e-4, (step, one[step], two[step])
     assert one[6] < one[1]
+    # Validation rows packed by rank 0 and broadcast: the same validation loss as one process.
+    val_one, val_two = (
+        {r["step"]: r["val_loss"] for r in rs if r["kind"] == "val"} for rs in (one_records, two_records)
+    )
+    assert sorted(val_one) == sorted(val_two) and len(val_one) >= 2, (val_one, val_two)
+    for step, loss in val_one.items():
+        assert abs(loss - val_two[step]) / loss <= 1e-4, (step, loss, val_two[step])
 
 
 def test_stopped_run_resumes_at_its_step_and_matches(base, tmp_path):

@@ -63,8 +63,9 @@ class Session(Protocol):
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
 
     def validation_batches(self) -> list[np.ndarray]:
-        """The whole global batches of validation data (train.val_batches of them, or fewer); each
-        rank keeps its slice. On Ray they are tokenized once per run, by the driver."""
+        """Collective: the whole global batches of validation data (train.val_batches of them, or
+        fewer); each rank keeps its slice. Tokenized once per run: by the driver on Ray, by rank 0
+        under torchrun."""
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         """Collective: a complete checkpoint exists at ``uri`` (Ray Train records it for retention)."""

@@ -54,9 +54,13 @@ class LocalSession:
         return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
 
     def validation_batches(self) -> list[np.ndarray]:
-        """Each rank packs the (small) validation batches itself: no Ray here to share them."""
+        """Collective: rank 0 packs the validation batches and broadcasts them, so they are
+        tokenized once per run, not once per rank."""
         t = self.config.train
-        return first_batches(self.val_plan, t.val_batches, t.global_batch_size)
+        box = [first_batches(self.val_plan, t.val_batches, t.global_batch_size) if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         pass  # the commit marker is the whole registration
