@@ -37,14 +37,15 @@ def all_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def per_rank(value: float, device: torch.device) -> list[float]:
-    """Collective: each rank's ``value``, in rank order (no collective on a single rank)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, t)
-    return torch.cat(gathered).tolist()
+def per_rank(values: list[float], device: torch.device) -> np.ndarray:
+    """Collective: every rank's ``values``, one row per rank in rank order (float64; no
+    collective on a single rank)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, t)
+        t = torch.stack(gathered)
+    return t.reshape(-1, len(values)).cpu().numpy()
 
 
 def peak_memory(device: torch.device) -> int:
@@ -63,8 +64,8 @@ def mixture(sources: Sequence[str], counts: np.ndarray) -> dict[str, float]:
 class MetricWindow:
     """The steps since the last log line of one rank, and the metrics they make.
 
-    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: an all-reduce of the window's loss
-    and source counts and an all-gather of each rank's data wait, so every rank calls it at the same steps) makes the logged
+    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: one all-gather of each rank's loss,
+    data wait and source counts, so every rank calls it at the same steps) makes the logged
     metrics and empties the window; ``start`` restarts its clock (it starts with the window).
 
     Of the session it reads the world size, the device and the training sources' names; MFU is
@@ -116,8 +117,9 @@ class MetricWindow:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self.started
-        loss_sum, *summed = all_sum([self.loss, *counts], self.device)
-        waits = per_rank(self.wait, self.device)  # the slowest-fed rank is named, not averaged away
+        rows = per_rank([self.loss, self.wait, *counts], self.device)  # one collective for all three
+        loss_sum, summed = float(rows[:, 0].sum()), rows[:, 2:].sum(axis=0)
+        waits = rows[:, 1].tolist()  # the slowest-fed rank is named, not averaged away
         shares = mixture(self.sources, self.counts_before + np.asarray(summed, dtype=np.int64))
         tps = self.tokens_per_step * self.steps / elapsed
         mean_loss = loss_sum / self.world_size / self.steps
