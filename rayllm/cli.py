@@ -38,6 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     bench_data.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for the pipeline")
     bench_data.add_argument("--epochs", type=int, default=5, help="passes over data.train on each side")
     bench_data.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is kept")
+    bench_tok = bench_sub.add_parser("tokenize", help="data wait at set demands, tokenize tasks sized by the run")
+    bench_tok.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config whose data.train to read")
+    bench_tok.add_argument("overrides", nargs="*", help="dotted overrides, for example data.train=s3://b/corpus")
+    bench_tok.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="CPUs for Ray")
+    bench_tok.add_argument("--demands", default="0.01,0.5,1.5", help="demands, as multiples of one core's rate")
+    bench_tok.add_argument("--seconds", type=float, default=30.0, help="seconds each demand is consumed")
+    bench_tok.add_argument("--tokenize-tasks", type=int, default=8, help="the ceiling (data.tokenize_tasks)")
     bench_ckpt = bench_sub.add_parser(
         "checkpoint", help="training stall of an async checkpoint against a synchronous one"
     )
@@ -173,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
 
             result = bench_memory.run(config, args.cpus, args.gb, args.object_store_mb, args.dir)
             print(bench_memory.format_result(result))
+            return 0
+        if args.command == "bench" and args.bench_command == "tokenize":
+            from rayllm.bench import tokenize as bench_tokenize
+
+            demands = tuple(float(d) for d in args.demands.split(","))
+            result = bench_tokenize.run(config, args.cpus, demands, args.seconds, args.tokenize_tasks)
+            print(bench_tokenize.format_result(result))
             return 0
         if args.command == "bench":
             from rayllm.bench import data as bench_data

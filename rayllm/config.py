@@ -131,8 +131,10 @@ class DataSettings:
     record_ids: bool = False
     # Prepare the bundled demo corpus when `train` points at the missing demo folder.
     demo_corpus: bool = True
-    # Concurrent tokenize-and-pack tasks in the Ray Data pipeline (per reading worker).
-    tokenize_tasks: int = 2
+    # At most this many tokenize tasks per reading task (Ray path); how many run follows from
+    # the tokens/s the run consumes and the measured per-core rate (docs/data.md). 0: none, the
+    # reading task tokenizes alone.
+    tokenize_tasks: int = 8
     # A shard that cannot be read: "error" stops the run naming it; "skip" skips it and counts it.
     on_bad_shard: str = "error"
     # How long a rank waits for its next batch from the data stream before the attempt fails

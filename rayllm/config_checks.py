@@ -86,7 +86,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "data.tokenizer_sample_docs": (_COUNT, "set the documents a new tokenizer learns from, for example 4000"),
     "data.shuffle_window": (_COUNT, "set sequences per shuffle window, for example 4096 (1 turns shuffling off)"),
     "data.mix_shards": (_COUNT, "set shards read at once per source, for example 32 (1 reads one at a time)"),
-    "data.tokenize_tasks": (_COUNT, "set concurrent tokenize tasks per reading worker, for example 2"),
+    "data.tokenize_tasks": (Range(0), "set the most tokenize tasks per reading task, for example 8 (0: none)"),
     "data.wait_timeout_s": (_SECONDS, "set how long a rank waits for its next batch, for example 300"),
     "model.dim": (_COUNT, "set the model width, for example 256"),
     "model.n_layers": (_COUNT, "set the number of transformer blocks, for example 4"),

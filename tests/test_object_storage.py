@@ -176,7 +176,7 @@ def test_shard_deleted_after_listing_on_s3_through_ray_data(
     gone = plan.sources[0].shards[1]
     s3.delete_object(Bucket=bucket, Key=gone.removeprefix(f"s3://{bucket}/"))
     configure_ray_data()
-    stream = open_stream(plan, DataState(), consumed=0, global_batch=8, chunks=ray_chunks(parallelism=2))
+    stream = open_stream(plan, DataState(), consumed=0, global_batch=8, chunks=ray_chunks(tokenize_tasks=2))
     if mode == "error":
         with pytest.raises(DataError, match=rf"shard {gone} disappeared"):
             for _ in stream:

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from rayllm.config import TrainConfig
+from rayllm.data.encode import JOB_DOCS
 from rayllm.data.order import DataState, StreamPlan, open_stream
 from rayllm.data.plan import prepare_data
-from rayllm.data.source import ENCODE_GROUP
 
 _RAW_SCRIPT = r"""
 import itertools, json, sys, time
@@ -55,7 +55,7 @@ def raw_encode(plan: StreamPlan, threads: int | None, epochs: int, processes: in
         "text_field": src.text_field,
         "storage": dataclasses.asdict(src.storage),
         "tokenizer_json": src.tokenizer_json,
-        "group": ENCODE_GROUP,
+        "group": JOB_DOCS,
         "epochs": epochs,
     }
     env = dict(os.environ)
@@ -101,7 +101,7 @@ def pipeline(plan: StreamPlan, cpus: int, global_batch: int, epochs: int) -> dic
             for s in plan.sources
         ],
     )
-    produce = ray_chunks(parallelism=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})
+    produce = ray_chunks(tokenize_tasks=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})
     arrivals = []  # (seconds, tokens) of each chunk of packed rows as it reaches this process
 
     def chunks(source, cursor):

@@ -143,7 +143,7 @@ def run(config, cpus: int, gigabytes: float, object_store_mb: int, root: str) ->
         logging_level="WARNING",
     )
     configure_ray_data()
-    chunks = ray_chunks(parallelism=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})
+    chunks = ray_chunks(tokenize_tasks=cpus, cpus_per_task=1.0, env={"RAYON_NUM_THREADS": "1"})
     rows, marks = 0, []
     with MemorySampler() as sampler:
         start = time.perf_counter()

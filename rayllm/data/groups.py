@@ -25,10 +25,12 @@ import functools
 import heapq
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
+from rayllm.data.encode import TokenizePool
 from rayllm.data.source import SLOT_CURSOR_FIELDS, ShardPacker, SourcePlan, shard_visit
 from rayllm.errors import DataError
 
@@ -113,9 +115,9 @@ class _Slot:
 class GroupPacker:
     """Packs a group's shards side by side and merges them by progress; the body of a Ray Data task."""
 
-    def __init__(self, plan: SourcePlan):
+    def __init__(self, plan: SourcePlan, pool: TokenizePool | None = None):
         self.plan = plan
-        self.shards = ShardPacker(plan)
+        self.shards = ShardPacker(plan, pool)
 
     def rows(self, group: int, resume: list | None = None) -> Iterator[dict[str, np.ndarray]]:
         members = group_members(self.plan, group)
@@ -150,9 +152,19 @@ class GroupPacker:
             yield _gather(slots, picks, group)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """The rows of each group in ``batch``, each chunk saying how many tokenize tasks ran for it;
+        the time its consumer takes to ask for the next chunk is the demand the pool is sized by."""
+        pool = self.shards.pool
         for i in range(len(batch["group"])):
             resume = str(batch["resume"][i])
-            yield from self.rows(int(batch["group"][i]), json.loads(resume) if resume else None)
+            for chunk in self.rows(int(batch["group"][i]), json.loads(resume) if resume else None):
+                tasks = pool.sizer.tasks if pool else 0
+                chunk["tokenize_tasks"] = np.full(len(chunk["index"]), tasks, dtype=np.int16)
+                handed = time.monotonic()
+                yield chunk
+                if pool:
+                    pool.sizer.waited_for_consumer(time.monotonic() - handed)
+                    pool.sizer.update()
 
 
 def _gather(slots: list[_Slot], picks: list[int], group: int) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from rayllm.data.encode import TokenizePool
 from rayllm.data.groups import GroupPacker, passes
 from rayllm.data.source import SourcePlan
 
@@ -19,16 +20,18 @@ _PACKERS: dict[int, GroupPacker] = {}
 OUTPUT_BLOCK_BYTES = 4 << 20
 
 
-def pack_items(batch: dict[str, np.ndarray], plan: SourcePlan) -> Iterator[dict[str, np.ndarray]]:
-    """Ray Data task: one tokenizer per worker process, reused by every task it runs.
+def pack_items(batch: dict[str, np.ndarray], plan: SourcePlan, tokenize_tasks: int) -> Iterator[dict[str, np.ndarray]]:
+    """Ray Data task: one tokenizer and one tokenize pool per worker process, reused by every
+    task it runs (the pool keeps what it measured).
 
     Tasks rather than an actor pool: Ray keeps worker processes warm, so the first
     sequence arrives in about a second instead of after an actor's cold start.
     """
-    key = hash((plan.tokenizer_json, plan.index))
+    key = hash((plan.tokenizer_json, plan.index, tokenize_tasks))
     packer = _PACKERS.get(key)
     if packer is None or packer.plan != plan:
-        packer = _PACKERS[key] = GroupPacker(plan)
+        pool = TokenizePool(plan.tokenizer_json, tokenize_tasks) if tokenize_tasks else None
+        packer = _PACKERS[key] = GroupPacker(plan, pool)
     yield from packer(batch)
 
 
@@ -71,11 +74,13 @@ def configure_ray_data() -> None:
         ctx.custom_execution_callback_classes.append(throttle)
 
 
-DATA_TASK_CPUS = 0.5  # what each tokenize-and-pack task of a training run reserves
+DATA_TASK_CPUS = 0.5  # what each reading task of a training run reserves
+GROUPS_IN_FLIGHT = 2  # groups a source reads at once: the next one starts while the current one drains
 
 
-def ray_chunks(parallelism: int, cpus_per_task: float = DATA_TASK_CPUS, env: dict[str, str] | None = None):
-    """A chunk source (order.ChunkSource) that runs each source as Ray Data executions."""
+def ray_chunks(tokenize_tasks: int, cpus_per_task: float = DATA_TASK_CPUS, env: dict[str, str] | None = None):
+    """A chunk source (order.ChunkSource) that runs each source as Ray Data executions; each
+    reading task tokenizes in up to ``tokenize_tasks`` Ray tasks, as many as the run needs (encode.py)."""
     import ray.data
 
     remote_args = {"runtime_env": {"env_vars": env}} if env else {}
@@ -84,9 +89,9 @@ def ray_chunks(parallelism: int, cpus_per_task: float = DATA_TASK_CPUS, env: dic
         def run_pass(groups: list[dict]) -> Iterator[dict[str, np.ndarray]]:
             ds = ray.data.from_items(groups, override_num_blocks=len(groups)).map_batches(
                 pack_items,
-                fn_kwargs={"plan": plan},
+                fn_kwargs={"plan": plan, "tokenize_tasks": tokenize_tasks},
                 batch_size=1,
-                compute=ray.data.TaskPoolStrategy(size=max(1, min(parallelism, len(groups)))),
+                compute=ray.data.TaskPoolStrategy(size=max(1, min(GROUPS_IN_FLIGHT, len(groups)))),
                 num_cpus=cpus_per_task,
                 **remote_args,
             )

@@ -42,7 +42,7 @@ class StreamServer:
         global_batch: int,
         data_slices: int,
         slices_per_object: int,
-        parallelism: int,
+        tokenize_tasks: int,
         depth: int | None = None,
     ):
         configure_ray_data()
@@ -60,14 +60,14 @@ class StreamServer:
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._news: asyncio.Event | None = None
-        args = (plan, DataState.from_dict(state), consumed, global_batch, parallelism)
+        args = (plan, DataState.from_dict(state), consumed, global_batch, tokenize_tasks)
         threading.Thread(target=self._produce, args=args, daemon=True, name="rayllm-stream").start()
 
-    def _produce(self, plan, state, consumed, global_batch, parallelism) -> None:
+    def _produce(self, plan, state, consumed, global_batch, tokenize_tasks) -> None:
         import ray
 
         try:
-            for rows, meta in self._stream(plan, state, consumed, global_batch, parallelism):
+            for rows, meta in self._stream(plan, state, consumed, global_batch, tokenize_tasks):
                 if not self._sized:
                     self._depth = min(self._depth, max(MIN_DEPTH, AHEAD_BYTES // max(1, rows.nbytes)))
                     self._sized = True
@@ -83,8 +83,8 @@ class StreamServer:
             self._error = e
         self._announce()
 
-    def _stream(self, plan, state, consumed, global_batch, parallelism) -> Iterator[tuple[Any, DataState]]:
-        return open_stream(plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(parallelism))
+    def _stream(self, plan, state, consumed, global_batch, tokenize_tasks) -> Iterator[tuple[Any, DataState]]:
+        return open_stream(plan, state, consumed=consumed, global_batch=global_batch, chunks=ray_chunks(tokenize_tasks))
 
     def _wait_for_room(self) -> bool:
         """Block the producer while it is ``depth`` steps ahead of the slowest rank; drop what all ranks hold."""
@@ -153,7 +153,7 @@ def start_server(
     global_batch: int,
     data_slices: int,
     slices_per_object: int,
-    parallelism: int,
+    tokenize_tasks: int,
     name: str,
 ):
     """Start the stream's actor beside the calling process (rank 0); it dies with its owner."""
@@ -168,7 +168,7 @@ def start_server(
         runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
     )
-    return actor.remote(plan, state.to_dict(), consumed, global_batch, data_slices, slices_per_object, parallelism)
+    return actor.remote(plan, state.to_dict(), consumed, global_batch, data_slices, slices_per_object, tokenize_tasks)
 
 
 class DataStreamLost(RuntimeError):

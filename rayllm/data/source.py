@@ -19,11 +19,11 @@ import numpy as np
 
 from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tok
+from rayllm.data.encode import InProcess, TokenizePool, read_ahead
 from rayllm.data.packing import pack
 from rayllm.data.shards import iter_documents, iter_token_documents
 from rayllm.errors import DataError
 
-ENCODE_GROUP = 64  # documents per encode_batch call: enough to use tokenizers' threads
 ID_FIELDS = ("source", "epoch", "shard", "index")
 SLOT_CURSOR_FIELDS = ("index", "doc", "doc_token")  # where a shard restarts
 
@@ -60,10 +60,11 @@ def shard_visit(source: int, epoch: int, shard: int, cursor: tuple[int, int, int
 
 
 class ShardPacker:
-    """Tokenizes and packs one shard visit at a time (inside a group's task)."""
+    """Tokenizes and packs one shard visit at a time (inside a group's task); with a ``pool``,
+    the tokenizing runs in Ray tasks sized to the run (encode.py)."""
 
-    def __init__(self, plan: SourcePlan):
-        self.plan = plan
+    def __init__(self, plan: SourcePlan, pool: TokenizePool | None = None):
+        self.plan, self.pool = plan, pool
         self.tokenizer = tok.load(plan.tokenizer_json, "of this run")
         self.eos = tok.eos_id(self.tokenizer)
 
@@ -76,10 +77,10 @@ class ShardPacker:
         docs = itertools.islice(
             enumerate(iter_documents(uri, self.plan.text_field, self.plan.storage)), first_doc, None
         )
-        while group := list(itertools.islice(docs, ENCODE_GROUP)):
-            encoded = self.tokenizer.encode_batch([text for _, text in group], add_special_tokens=False)
-            for (doc, _), e in zip(group, encoded, strict=True):
-                yield doc, e.ids
+        yield from read_ahead(docs, self.pool or InProcess(), self._encode_here)
+
+    def _encode_here(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def rows(self, item: dict[str, int], chunk: int = 256) -> Iterator[dict[str, np.ndarray]]:
         uri = self.plan.shards[item["shard"]]

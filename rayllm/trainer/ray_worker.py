@@ -66,7 +66,7 @@ class RaySession:
                 data_slices=self.world_size // ranks_per_slice,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
                 slices_per_object=max(1, self.local_world_size // ranks_per_slice),
-                parallelism=self.config.data.tokenize_tasks,
+                tokenize_tasks=self.config.data.tokenize_tasks,
                 name=name[0],
             )
         if self.world_size > 1:
