@@ -216,6 +216,16 @@ class TrainingSettings:
     # A step whose loss or gradient norm is NaN or infinite is skipped (no update, no checkpoint);
     # after this many in a row the run stops with its message (null: skip them all, never stop).
     max_nonfinite_steps: int | None = 3
+    # A rank with no finished step for this long is hung: its stacks go to run.dir/hangs/, the
+    # rank that did not reach the step's end is named, and the attempt restarts from the latest
+    # checkpoint. null: max(hang_min_s, hang_factor x the median step time).
+    hang_timeout_s: float | None = None
+    hang_factor: float = 10.0
+    hang_min_s: float = 120.0
+    # A rank whose own step time (less data and end-of-step waits) is above straggler_factor x the
+    # median in straggler_windows log windows in a row is named on the progress line.
+    straggler_factor: float = 1.5
+    straggler_windows: int = 3
 
 
 @dataclass

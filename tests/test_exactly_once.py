@@ -48,8 +48,10 @@ def ids_of(rows):
 
 
 def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
-    ray_local, overrides, small_corpus, tmp_path
+    ray_local, overrides, small_corpus, tmp_path, monkeypatch
 ):
+    """... and through a hang: on the last 2 workers, rank 1 sleeps inside step 11; the watchdog
+    names it with its stack and Ray Train restarts the attempt from the checkpoint of step 10."""
     base = [
         *overrides,
         *small_corpus,
@@ -59,6 +61,7 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
         "train.checkpoint_every=2",
         "train.keep_checkpoints=1000",
         "train.log_every=2",
+        "train.hang_timeout_s=6",
         "tracking.enabled=false",
     ]
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=base)
@@ -77,7 +80,10 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
     assert len(epoch0) == int((stream["epoch"] == 0).sum())
 
     killed: list[int] = []
+    hang_marker = tmp_path / "hung"
     for workers, stop, kill_at in ((2, 4, None), (1, 9, 6), (2, steps, None)):
+        if stop == steps:
+            monkeypatch.setenv("RAYLLM_FAULT_HANG_AT", f"11:1:{hang_marker}")
         watcher = kill_actor_after(str(tmp_path / "run"), kill_at, "RayTrainWorker", killed) if kill_at else None
         result = train(
             TrainConfig.from_yaml(
@@ -99,6 +105,12 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
             restarts = [r for r in result.history if r["kind"] == "start" and r["restarts"] > 0]
             assert len([r for r in result.history if r["kind"] == "start"]) == 2, "the kill should cause a restart"
             assert restarts
+    assert hang_marker.exists(), "the hang was not injected"
+    failures = [r for r in result.history if r["kind"] == "failure"]
+    assert any("hang: no step finished" in f["message"] and "rank 1 on node" in f["message"] for f in failures)
+    (summary,) = glob.glob(str(tmp_path / "run" / "hangs" / "attempt-*" / "summary.txt"))
+    assert "maybe_hang" in open(summary).read() and "did not reach the end of step 11" in open(summary).read()
+    assert [r["step"] for r in result.history if r["kind"] == "start"][-1] in (9, 10)  # step 10 may be uncommitted
 
     # Rebuild the global order: per checkpoint, per step, rank 0's rows then rank 1's.
     seen = []

@@ -6,19 +6,21 @@ processes at the same global batch; a stopped run resumes where it stopped.
 
 import json
 import os
+import statistics
 import subprocess
 
 import pytest
 from conftest import torchrun_cmd
 
 
-def torchrun(nproc: int, overrides: list[str], env: dict[str, str] | None = None) -> list[dict]:
+def torchrun(nproc: int, overrides: list[str], env: dict[str, str] | None = None, fails: bool = False) -> list[dict]:
     cmd = torchrun_cmd(nproc, overrides)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir="))
     with open(f"{run_dir}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    return [*records, {"kind": "output", "stdout": proc.stdout, "stderr": proc.stderr}]
 
 
 def losses(records: list[dict]) -> dict[int, float]:
@@ -54,6 +56,9 @@ def test_one_and_two_fsdp_processes_give_the_same_losses(base, tmp_path):
     for step in one:
         assert abs(one[step] - two[step]) / one[step] <= 1e-4, (step, one[step], two[step])
     assert one[6] < one[1]
+    # A starved rank is not a straggler (its own step time leaves its data wait out): no false alarm.
+    assert not any(r.get("stragglers") for r in two_records if r["kind"] == "train"), two_records
+    assert "straggler" not in two_records[-1]["stdout"]
     # Validation rows packed by rank 0 and broadcast: the same validation loss as one process.
     val_one, val_two = (
         {r["step"]: r["val_loss"] for r in rs if r["kind"] == "val"} for rs in (one_records, two_records)
@@ -95,7 +100,13 @@ def test_every_mth_checkpoint_is_kept_beside_the_last_k(base, tmp_path):
 
 def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(overrides, tmp_path):
     """Exactly once under torchrun: ids recorded with each checkpoint through stops that change the
-    world size (4 -> 2 -> 4 ranks) form the seed's global order, each sequence once, epoch 0 whole."""
+    world size (4 -> 2 -> 4 ranks) form the seed's global order, each sequence once, epoch 0 whole.
+
+    On 2 ranks, rank 1 is slowed in every step: it is named as a straggler (progress line, metrics,
+    Aim's per-rank context). On the last 4, rank 2 hangs inside a step: the watchdog writes every
+    rank's stack, names rank 2 and ends the attempt; running again resumes from the checkpoint
+    before the hang. (torchrun's own --max-restarts cannot restart gloo groups here: the
+    restarted ranks' connectFullMesh is refused, torch 2.13, with any failure.)"""
     import glob
 
     import numpy as np
@@ -117,6 +128,9 @@ def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(
         "data.shuffle_window=64",
         "train.checkpoint_every=2",
         "train.keep_checkpoints=1000",
+        "train.log_every=1",
+        "train.straggler_windows=2",
+        "train.hang_timeout_s=6",
         "tracking.enabled=false",
         "cluster.use_gpu=false",
     ]
@@ -131,9 +145,21 @@ def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(
     assert steps >= 12
     ids = stream[["source", "epoch", "shard", "index"]].tolist()
     expected = [tuple(int(v) for v in r) for r in ids[: steps * g]]
-    for nproc, stop in ((4, 4), (2, 8), (4, steps)):
-        records = torchrun(nproc, [*base, f"train.max_steps={steps}", f"train.stop_at_step={stop}"])
-        assert max(losses(records)) == stop
+    hang_marker = tmp_path / "hung"
+    legs = [  # (ranks, stop at, overrides, environment, the attempt fails)
+        (4, 4, [], {}, False),
+        (2, 8, ["tracking.enabled=true"], {"RAYLLM_FAULT_SLOW_STEP": "1:0.25"}, False),
+        (4, steps, [], {"RAYLLM_FAULT_HANG_AT": f"10:2:{hang_marker}"}, True),
+        (4, steps, [], {}, False),
+    ]
+    outputs = []
+    for nproc, stop, extra, env, fails in legs:
+        records = torchrun(nproc, [*base, f"train.max_steps={steps}", f"train.stop_at_step={stop}", *extra], env, fails)
+        assert max(losses(records)) == (9 if fails else stop)
+        outputs.append(records)
+    check_straggler_named(outputs[1], tmp_path / "run")
+    check_hang_named(outputs[2], tmp_path / "run", hang_marker)
+    assert [r["step"] for r in outputs[3] if r["kind"] == "start"][-1] == 8  # resumed before the hang
     seen = []
     for ckpt in sorted(glob.glob(str(tmp_path / "run" / "checkpoint_[0-9]*"))):
         per_rank = [np.load(p) for p in sorted(glob.glob(f"{ckpt}/consumed-rank*.npy"))]
@@ -143,3 +169,37 @@ def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(
                 seen.extend(tuple(int(v) for v in r) for r in rows[step * per_step : (step + 1) * per_step].tolist())
     assert len(seen) == len(set(seen)), "a sequence was trained on twice"
     assert seen == expected
+
+
+def check_straggler_named(records: list[dict], run_dir) -> None:
+    """Rank 1 (slowed by 0.25 s a step) named from its second window on, on the progress line
+    too; Aim holds each rank's own step time under its rank."""
+    from aim import Repo
+
+    named = [r["stragglers"] for r in records if r["kind"] == "train" and r.get("stragglers")]
+    assert named and all([s["rank"] for s in n] == [1] for n in named), records
+    assert all(s["x_median"] > 1.5 and s["node"] for n in named for s in n), named
+    assert "straggler: rank 1 on node" in records[-1]["stdout"]
+    repo = Repo(str(run_dir / "aim"))
+    own = {}
+    for run in repo.iter_runs():
+        for metric in run.metrics():
+            if metric.name == "own_step_time_s":
+                own.setdefault(metric.context.to_dict()["rank"], []).extend(metric.values.values_list())
+    assert set(own) == {"0", "1"}, own
+    assert statistics.median(own["1"]) > statistics.median(own["0"]) + 0.15, own
+
+
+def check_hang_named(records: list[dict], run_dir, marker) -> None:
+    """The hang in step 10 on rank 2: detected, every rank's stack written, rank 2 named in one line."""
+    assert marker.exists(), "the hang was not injected"
+    folder = run_dir / "hangs" / "attempt-1"
+    summary = (folder / "summary.txt").read_text()
+    assert "rank 2 on node" in summary and "maybe_hang" in summary and "did not reach the end of step 10" in summary
+    assert "ranks 0, 1, 3 waited for it" in summary, summary
+    for rank in range(4):
+        dump = (folder / f"rank-{rank}.txt").read_text()
+        assert "Thread" in dump and ("maybe_hang" in dump) == (rank == 2), dump[:2000]
+    failures = [r for r in records if r["kind"] == "failure"]
+    assert failures and "hang: no step finished" in failures[0]["message"], records
+    assert "attempt failed at step 9 on rank 0" in records[-1]["stdout"]

@@ -21,6 +21,7 @@ the consumer downstream takes, and its ordered output would serialise a group's 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,7 +36,6 @@ IDLE_FRACTION = 0.05  # the reader waited for its consumer at least this part of
 JOB_DOCS = 64  # documents per tokenize task ...
 JOB_BYTES = 1 << 20  # ... or this much text, whichever comes first
 RESULT_TIMEOUT_S = 300.0  # a tokenize task that gives nothing for this long fails the stream (named)
-TASK_ENV = {"RAYON_NUM_THREADS": "1"}  # one core per task: the per-task rate is a per-core rate
 
 _TOKENIZERS: dict[int, object] = {}
 
@@ -50,7 +50,17 @@ def _encode(key: int, tokenizer_ref: list, texts: list[str]) -> tuple[np.ndarray
         from rayllm.data import tokenizer as tok
 
         tokenizer = _TOKENIZERS[key] = tok.load(ray.get(tokenizer_ref[0]), "of this run")
-    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    # One core per task, so the per-task rate is a per-core rate: tokenizers reads this at each call
+    # (a task has its worker process to itself while it runs; the setting is put back after).
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
     lengths = np.fromiter((len(e.ids) for e in encoded), dtype=np.int64, count=len(encoded))
     ids = np.fromiter((i for e in encoded for i in e.ids), dtype=np.int32, count=int(lengths.sum()))
     return ids, lengths, time.perf_counter() - start
@@ -139,8 +149,9 @@ class TokenizePool:
         self._key = hash(tokenizer_json)
         self._tokenizer_ref = [ray.put(tokenizer_json)]  # in a list: the task fetches it once per process
         # num_cpus=0: never queued behind training workers that hold every CPU (a deadlock); the
-        # sizer bounds how many run, and each uses one core (TASK_ENV).
-        self._remote = ray.remote(_encode).options(num_cpus=0, runtime_env={"env_vars": TASK_ENV})
+        # sizer bounds how many run. No runtime_env of their own: they reuse the reading tasks'
+        # warm worker processes instead of starting a pool apart.
+        self._remote = ray.remote(_encode).options(num_cpus=0)
         self.sizer = TaskSizer(ceiling)
         self._queued: deque[_Job] = deque()  # read ahead, not yet submitted, oldest first
         self._running: set = set()

@@ -14,6 +14,13 @@ node added, a resize) has happened, however fast or slow the machine is.
 ``RAYLLM_FAULT_RAISE_AT=STEP`` makes rank 0 raise the same ValueError in step STEP on every
 attempt: an error no restart fixes.
 
+``RAYLLM_FAULT_HANG_AT=STEP:RANK:MARKER`` makes rank RANK sleep for an hour inside step STEP
+(after its backward, before the gradient norm's all-reduce): a hung rank, which the hang
+watchdog must name. It fires once: it creates the file MARKER, and does nothing while it exists.
+
+``RAYLLM_FAULT_SLOW_STEP=RANK:SECONDS`` makes rank RANK's every step SECONDS longer (in its
+own compute): a straggler, which the progress line must name.
+
 ``RAYLLM_FAULT_SLOW_DATA=RANK:SECONDS`` makes rank RANK's every wait for data SECONDS longer:
 a starved rank, which the logged data wait must name.
 """
@@ -28,7 +35,9 @@ PAUSE_AT = "RAYLLM_FAULT_PAUSE_AT"
 NAN_FROM = "RAYLLM_FAULT_NAN_FROM"
 RAISE_AT = "RAYLLM_FAULT_RAISE_AT"
 SLOW_DATA = "RAYLLM_FAULT_SLOW_DATA"
-ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT, NAN_FROM, RAISE_AT, SLOW_DATA)
+HANG_AT = "RAYLLM_FAULT_HANG_AT"
+SLOW_STEP = "RAYLLM_FAULT_SLOW_STEP"
+ENV_VARS = (CRASH_BEFORE_COMMIT, PAUSE_AT, NAN_FROM, RAISE_AT, SLOW_DATA, HANG_AT, SLOW_STEP)
 
 
 def maybe_crash_before_commit(step: int, rank: int, world_size: int) -> None:
@@ -68,4 +77,20 @@ def maybe_slow_data(rank: int) -> None:
     if wanted:
         slow_rank, seconds = wanted.split(":", 1)
         if int(slow_rank) == rank:
+            time.sleep(float(seconds))
+
+
+def maybe_hang(step: int, rank: int) -> None:
+    """A hung rank (RAYLLM_FAULT_HANG_AT), then a slow one (RAYLLM_FAULT_SLOW_STEP), inside a step."""
+    hang = os.environ.get(HANG_AT)
+    if hang:
+        at, who, marker = hang.split(":", 2)
+        if int(at) == step and int(who) == rank and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(f"rank {rank} hung in step {step}\n")
+            time.sleep(3600)
+    slow = os.environ.get(SLOW_STEP)
+    if slow:
+        who, seconds = slow.split(":", 1)
+        if int(who) == rank:
             time.sleep(float(seconds))

@@ -75,10 +75,11 @@ def _thread_env(config: TrainConfig) -> dict[str, str]:
     Ray Train V2 workers start without OMP_NUM_THREADS (seen in their environment), and the
     loop runs in a thread of Ray's, so torch's default of one thread per core would make
     co-located workers oversubscribe the cores. Fault-injection variables (tests) pass through.
+    On GPU, NCCL's flight recorder keeps the last collectives, which a hang's dump includes.
     """
     passed = {name: os.environ[name] for name in faults.ENV_VARS if name in os.environ}
     if config.cluster.use_gpu:
-        return passed
+        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), **passed}
     threads = str(max(1, int(config.cluster.cpus_per_worker)))
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **passed}
 

@@ -8,7 +8,8 @@ worker and under plain torchrun.
         global batch rows for this rank -> micro-batches: forward/backward (accumulate)
         -> clip -> lr -> optimizer step -> log / validate / checkpoint
 
-Components: MetricWindow (metrics.py), Validator (validation.py), Checkpointer (checkpointer.py).
+Components: MetricWindow (metrics.py), Validator (validation.py), Checkpointer (checkpointer.py),
+HangWatchdog (watchdog.py); what the loop needs of its environment: Session (session.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from rayllm.checkpoint import hf_import
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.order import DataState, StreamPlan
+from rayllm.data.order import DataState
 from rayllm.data.prefetch import prefetched
 from rayllm.data.source import ID_FIELDS
 from rayllm.errors import RayllmError
@@ -38,49 +39,11 @@ from rayllm.parallel.layout import Layout, resolve_layout
 from rayllm.parallel.tp import loss_context
 from rayllm.trainer import faults
 from rayllm.trainer.checkpointer import Checkpointer, PendingCheckpoint
-from rayllm.trainer.metrics import MetricWindow, all_sum, plain
+from rayllm.trainer.metrics import MetricWindow, all_nodes, all_sum, plain
 from rayllm.trainer.schedule import lr_at
+from rayllm.trainer.session import Session
 from rayllm.trainer.validation import Validator
-
-
-class Session(Protocol):
-    """What the loop needs from its environment."""
-
-    rank: int
-    world_size: int
-    local_world_size: int  # ranks on this rank's node
-    device: torch.device
-
-    train_plan: StreamPlan
-    val_plan: StreamPlan | None
-
-    def train_batches(
-        self, state: DataState, consumed: int, ranks_per_slice: int
-    ) -> Iterator[tuple[np.ndarray, DataState]]:
-        """This rank's rows of each global batch from ``consumed`` on, with the data state after each:
-        slice ``rank // ranks_per_slice`` of ``world_size // ranks_per_slice`` (TP peers share one)."""
-
-    prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
-
-    def validation_batches(self) -> list[np.ndarray]:
-        """Collective: the whole global batches of validation data (train.val_batches of them, or
-        fewer); each rank keeps its slice. Tokenized once per run: by the driver on Ray, by rank 0
-        under torchrun."""
-
-    def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
-        """Collective: a complete checkpoint exists at ``uri`` (Ray Train records it for retention)."""
-
-    def report(self, metrics: dict[str, Any]) -> None:
-        """Collective: final metrics without a checkpoint."""
-
-    def stop_requested(self) -> bool:
-        """Whether a stop (SIGTERM, SIGINT) was asked for; the loop agrees on it across ranks."""
-
-    def preempted(self) -> bool:
-        """Whether this rank's process was asked to stop on its own (a reclaimed node): the run
-        checkpoints at the step all ranks agree on, then restarts."""
-
-    def emit(self, record: dict[str, Any]) -> None: ...
+from rayllm.trainer.watchdog import HangWatchdog
 
 
 class WorkerPreempted(RuntimeError):
@@ -269,6 +232,7 @@ class Trainer:
             total += plain(loss.detach())  # summed on the device: one sync per step, not per micro-batch
 
         accumulate(self.model, micro, backward)
+        faults.maybe_hang(self.step + 1, self.session.rank)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -288,6 +252,16 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train to the end (or a stop), under a hang watchdog (watchdog.py)."""
+        session = self.session
+        node, attempt = getattr(session, "node", "?"), getattr(session, "attempt", 1)
+        watchdog = HangWatchdog(self.config, session.rank, session.world_size, node, attempt, session.emit)
+        try:
+            return self._fit(watchdog, node)
+        finally:
+            watchdog.stop()
+
+    def _fit(self, watchdog: HangWatchdog, node: str) -> dict[str, Any]:
         t, session = self.config.train, self.session
         # Collectives, every rank here: the control flags' group, then the background writer's.
         groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
@@ -313,6 +287,7 @@ class Trainer:
             restarts=self.restarts,
             accum_steps=self.accum,
             layout=self.layout.describe(),
+            nodes=all_nodes(node),
         )
         batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
@@ -323,19 +298,23 @@ class Trainer:
         metrics: dict[str, Any] = dict(self.last_metrics)
         start = self.step
         while self.step < end:
+            step_started = time.monotonic()
             self._train_next(batches, window, first=self.step == start)
             busy, stop, due, preempted = self._control()
+            watchdog.beat(self.step, time.monotonic() - step_started)
             if self.checkpointer.pending is not None and not busy:
                 self.checkpointer.commit(self.checkpointer.pending)
             last = self.step == end or stop or preempted is not None
             log = self.step % t.log_every == 0 or last
             if log:
-                self._log(window, metrics)
+                self._log(window, metrics, watchdog.collective_fraction())
             if self.step % t.val_every == 0 or last:
-                self._validate(validator, metrics)
+                with watchdog.slow():
+                    self._validate(validator, metrics)
             # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
             if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
-                self._checkpoint(metrics, final=last)
+                with watchdog.slow():
+                    self._checkpoint(metrics, final=last)
             if preempted is not None:
                 self.checkpointer.close()
                 self._emit("preempted", step=self.step, rank=preempted)
@@ -377,11 +356,16 @@ class Trainer:
                 raise self._diverged()
         window.add(loss, grad_norm, finite=not self.nonfinite_in_row)
 
-    def _log(self, window: MetricWindow, metrics: dict[str, Any]) -> None:
+    def _log(self, window: MetricWindow, metrics: dict[str, Any], collective_frac: float) -> None:
         """Collective: the window's metrics into ``metrics``, and the "train" record."""
         lr, tokens = self.optimizer.param_groups[0]["lr"], self.consumed * self.config.data.seq_len
         update, mixture = window.summary(
-            step=self.step, lr=lr, tokens=tokens, skipped_shards=len(self.data_state.skipped), counts=self.source_counts
+            step=self.step,
+            lr=lr,
+            tokens=tokens,
+            skipped_shards=len(self.data_state.skipped),
+            counts=self.source_counts,
+            collective_frac=collective_frac,
         )
         metrics.update(update)
         self._emit("train", **metrics, mixture=mixture)

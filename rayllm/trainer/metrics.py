@@ -1,7 +1,7 @@
 """The loop's numbers: a loss as a plain value, sums over ranks, and the window of steps between logs.
 
 Per step: ``with window.waiting(): next batch``, then ``add(loss, grad_norm)``; at a log step
-``summary(...)`` on every rank (one all-reduce); ``start()`` once that step's validation and
+``summary(...)`` on every rank (one all-gather); ``start()`` once that step's validation and
 checkpoint are done (their time is not step time).
 """
 
@@ -21,7 +21,7 @@ from rayllm.config import TrainConfig
 from rayllm.hardware import peak_resident_bytes
 
 if TYPE_CHECKING:
-    from rayllm.trainer.loop import Session
+    from rayllm.trainer.session import Session
 
 
 def plain(loss: torch.Tensor) -> torch.Tensor:
@@ -48,6 +48,15 @@ def per_rank(values: list[float], device: torch.device) -> np.ndarray:
     return t.reshape(-1, len(values)).cpu().numpy()
 
 
+def all_nodes(node: str) -> list[str]:
+    """Collective: every rank's node name, in rank order (no collective on a single rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [node]
+    nodes: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(nodes, node)
+    return nodes
+
+
 def peak_memory(device: torch.device) -> int:
     """Bytes: the most the device held (CUDA), else the process's peak resident memory."""
     if device.type == "cuda":
@@ -64,8 +73,8 @@ def mixture(sources: Sequence[str], counts: np.ndarray) -> dict[str, float]:
 class MetricWindow:
     """The steps since the last log line of one rank, and the metrics they make.
 
-    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: one all-gather of each rank's loss,
-    data wait and source counts, so every rank calls it at the same steps) makes the logged
+    ``waiting`` and ``add`` (local) once per step; ``summary`` (collective: one all-gather
+    of each rank's loss, waits, clock and source counts, so every rank calls it at the same steps) makes the logged
     metrics and empties the window; ``start`` restarts its clock (it starts with the window).
 
     Of the session it reads the world size, the device and the training sources' names; MFU is
@@ -110,16 +119,19 @@ class MetricWindow:
         self.steps += 1
 
     def summary(
-        self, *, step: int, lr: float, tokens: int, skipped_shards: int, counts: np.ndarray
+        self, *, step: int, lr: float, tokens: int, skipped_shards: int, counts: np.ndarray, collective_frac: float
     ) -> tuple[dict[str, Any], dict[str, float]]:
         """Collective: (the metrics of the window, the realised mixture so far); ``counts`` (per source) are
-        this rank's this attempt. Empties the window (its clock restarts with ``start``)."""
+        this rank's this attempt, ``collective_frac`` the part of its window spent in collectives
+        (sampled by the watchdog). Empties the window (its clock restarts with ``start``)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - self.started
-        rows = per_rank([self.loss, self.wait, *counts], self.device)  # one collective for all three
-        loss_sum, summed = float(rows[:, 0].sum()), rows[:, 2:].sum(axis=0)
+        # One collective for every rank's loss, data wait, end-of-step wait, clock and source counts.
+        rows = per_rank([self.loss, self.wait, collective_frac * elapsed, elapsed, *counts], self.device)
+        loss_sum, summed = float(rows[:, 0].sum()), rows[:, 4:].sum(axis=0)
         waits = rows[:, 1].tolist()  # the slowest-fed rank is named, not averaged away
+        own = np.maximum(0.0, rows[:, 3] - rows[:, 1] - rows[:, 2]) / self.steps  # each rank's step less its waits
         shares = mixture(self.sources, self.counts_before + np.asarray(summed, dtype=np.int64))
         tps = self.tokens_per_step * self.steps / elapsed
         mean_loss = loss_sum / self.world_size / self.steps
@@ -138,6 +150,9 @@ class MetricWindow:
             "data_wait_frac": sum(waits) / len(waits) / elapsed,
             "data_wait_max_frac": max(waits) / elapsed,
             "data_wait_max_rank": int(np.argmax(waits)),
+            "rank_own_step_s": own.tolist(),
+            "rank_data_wait_s": (rows[:, 1] / self.steps).tolist(),
+            "rank_collective_wait_s": (rows[:, 2] / self.steps).tolist(),
             "peak_memory_bytes": peak_memory(self.device),
             "world_size": self.world_size,
             "restarts": self.restarts,

@@ -16,6 +16,7 @@ from typing import Any
 from rayllm.config import TrainConfig
 from rayllm.storage import is_remote, join, read_text, write_text
 from rayllm.tracking import Tracker, environment
+from rayllm.trainer.stragglers import Stragglers
 
 TRAIN_METRICS = (
     "loss",
@@ -35,6 +36,11 @@ TRAIN_METRICS = (
     "restarts",
     "skipped_shards",
 )
+PER_RANK_METRICS = {
+    "rank_own_step_s": "own_step_time_s",
+    "rank_data_wait_s": "data_wait_s",
+    "rank_collective_wait_s": "collective_wait_s",
+}
 DATA_REPORT = "data_report.json"
 METRICS_LOG = "metrics.jsonl"
 REMOTE_FLUSH_S = 60.0
@@ -63,6 +69,8 @@ class RunMonitor:
         self.skipped: list[dict[str, Any]] = []
         self.kept: list[str] = []  # milestone checkpoints copied to run.dir/kept/
         self.world_size: int | None = None  # of the latest attempt, to log resizes
+        self.nodes: list[str] = []  # of the latest attempt, per rank
+        self.stragglers = Stragglers(config.train.straggler_factor, config.train.straggler_windows)
         self._local_log = None
         # On object storage, which cannot append, metrics.jsonl is rewritten whole: the earlier
         # drivers' lines, then this one's, at most every REMOTE_FLUSH_S and at the end.
@@ -85,6 +93,9 @@ class RunMonitor:
     def handle(self, record: dict[str, Any]) -> None:
         record = {**record, "time": time.time()}
         kind = record.get("kind")
+        if kind == "train" and "rank_own_step_s" in record:  # named in metrics.jsonl too
+            slow = self.stragglers.update(record["rank_own_step_s"])
+            record["stragglers"] = [{"rank": r, "node": self._node(r), "x_median": x} for r, x in slow.items()]
         self.history.append(record)
         if self._local_log:
             self._local_log.write(json.dumps(record) + "\n")
@@ -96,6 +107,8 @@ class RunMonitor:
             if self.world_size is not None and record["world_size"] != self.world_size:
                 self.handle({"kind": "resize", "step": step, "from": self.world_size, "to": record["world_size"]})
             self.world_size = record["world_size"]
+            self.nodes = list(record.get("nodes") or [])
+            self.stragglers.reset()
             self.tracker.log_params(
                 {
                     "world_size": record["world_size"],
@@ -149,12 +162,19 @@ class RunMonitor:
             if len(self.mixture) > 1:
                 for source, share in self.mixture.items():
                     self.tracker.log_metrics({"mixture": share}, step, "train", source=source)
+            for key, name in PER_RANK_METRICS.items():
+                for rank, value in enumerate(record.get(key) or []):
+                    self.tracker.log_metrics({name: value}, step, "train", rank=str(rank))
             total = self.config.train.max_steps
             eta = (total - step) * record["step_time_s"]
+            slow = "".join(
+                f" | straggler: rank {s['rank']} on node {s['node']} ({s['x_median']:.1f}x the median step)"
+                for s in record.get("stragglers") or []
+            )
             self.say(
                 f"[rayllm] step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}"
+                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}{slow}"
             )
         elif kind == "val":
             self.val_loss = record["val_loss"]
@@ -172,6 +192,9 @@ class RunMonitor:
                 print(f"[rayllm] warning: skipped shard {entry['uri']}: {entry['error']}", file=sys.stderr, flush=True)
         elif kind == "done":
             self.val_loss = record.get("val_loss", self.val_loss)
+
+    def _node(self, rank: int) -> str:
+        return self.nodes[rank] if rank < len(self.nodes) else "?"
 
     def data_report(self) -> dict[str, Any]:
         """What the run's data was: the realised mixture and the shards skipped (with data.on_bad_shard: skip)."""

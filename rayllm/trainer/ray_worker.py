@@ -35,7 +35,8 @@ class RaySession:
         self._server = None
         self._validation = validation  # an object ref: the validation batches
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
-        self.node = ray.get_runtime_context().get_node_id()[:8]
+        self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
+        self.attempt = 1  # set once the attempt is counted (train_loop_per_worker)
         self._stop_checked_at = 0.0
         self._stop = False
         self._emit_failed = False
@@ -175,7 +176,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         torch.set_num_threads(threads)
     control = loop_config["control"]
     session = RaySession(config, loop_config["queue"], loop_config["plans"], control, loop_config["validation"])
-    attempt = _begin_attempt(control, session.rank)
+    attempt = session.attempt = _begin_attempt(control, session.rank)
     trainer = None
     try:
         trainer = Trainer(config, session)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -44,6 +45,8 @@ class LocalSession:
             self.device = torch.device("cpu")
         self.train_plan, self.val_plan = plans.train, plans.val
         self.prunes_checkpoints = True  # no Ray Train here to keep the last K
+        self.node = socket.gethostname()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""

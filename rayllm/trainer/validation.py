@@ -20,7 +20,7 @@ from rayllm.parallel.tp import loss_context
 from rayllm.trainer.metrics import all_sum, plain
 
 if TYPE_CHECKING:
-    from rayllm.trainer.loop import Session
+    from rayllm.trainer.session import Session
 
 
 class Validator:

@@ -1,0 +1,56 @@
+"""The hang watchdog's rules and the straggler rule, without processes (the end-to-end checks are in
+test_torchrun.py's 4 -> 2 -> 4 run and test_exactly_once.py's Ray run)."""
+
+import sys
+import threading
+import time
+
+from rayllm.config import TrainConfig
+from rayllm.trainer.stragglers import Stragglers
+from rayllm.trainer.watchdog import SLOW_PHASE_S, step_deadline, summary_line, where
+
+
+def test_the_deadline_is_the_configured_one_or_a_multiple_of_the_median_step_with_a_floor():
+    config = TrainConfig.from_yaml("configs/tiny.yaml", ["train.hang_factor=10", "train.hang_min_s=120"])
+    assert step_deadline(config, []) == SLOW_PHASE_S  # no step measured yet: start-up
+    assert step_deadline(config, [0.1, 0.2, 50.0]) == 120  # 10 x 0.2 s is under the floor
+    assert step_deadline(config, [20.0, 30.0, 25.0]) == 250
+    config.train.hang_timeout_s = 7.0
+    assert step_deadline(config, [20.0]) == 7.0
+
+
+def test_a_thread_is_running_or_waiting_where_its_stack_says():
+    started = threading.Event()
+
+    def sleeper():
+        started.set()
+        time.sleep(5)
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    thread.start()
+    started.wait()
+    state, place = where(sys._current_frames()[thread.ident])
+    assert state == "running" and "sleeper" in place and "test_watchdog.py" in place
+
+
+def test_the_summary_names_the_running_rank_and_who_waited():
+    reports = [
+        {"rank": 0, "node": "a", "step": 9, "state": "collective", "place": "wait (distributed_c10d.py:1)"},
+        {"rank": 1, "node": "b", "step": 9, "state": "running", "place": "maybe_hang (faults.py:90)"},
+        {"rank": 2, "node": "a", "step": 9, "state": "data", "place": "steps (serve.py:3)"},
+    ]
+    line = summary_line(reports, 3, 12.4, 10.0, "runs/x/hangs/attempt-1")
+    assert line.startswith("hang: no step finished for 12 s (deadline 10 s): rank 1 on node b (maybe_hang")
+    assert "did not reach the end of step 10; ranks 0, 2 waited for it" in line
+    # Nobody running: the rank that never reported is the one to look at.
+    waiting = [dict(r, state="collective") for r in reports[:2]]
+    assert "rank 2 on node ? (no report)" in summary_line(waiting, 3, 12, 10, "x")
+
+
+def test_a_rank_is_a_straggler_only_when_slow_in_consecutive_windows():
+    stragglers = Stragglers(factor=1.5, windows=2)
+    assert stragglers.update([0.10, 0.30, 0.11]) == {}  # slow once: not yet
+    assert stragglers.update([0.10, 0.31, 0.11]) == {1: 0.31 / 0.11}
+    assert stragglers.update([0.10, 0.11, 0.11]) == {}  # back in line
+    assert stragglers.update([0.001, 0.003, 0.001]) == {}  # 3x, but by 2 ms: noise
+    assert stragglers.update([0.001, 0.003, 0.001]) == {}
