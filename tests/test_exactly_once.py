@@ -61,7 +61,7 @@ def test_ids_form_one_epoch_in_seed_order_through_2_1_2_workers_and_a_kill(
         "train.checkpoint_every=2",
         "train.keep_checkpoints=1000",
         "train.log_every=2",
-        "train.hang_timeout_s=6",
+        "train.hang_timeout_s=3",
         "tracking.enabled=false",
     ]
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=base)

@@ -21,6 +21,7 @@ from test_exactly_once import G, ids_of, write_small_corpus
 from rayllm import RayllmError, TrainConfig, train
 from rayllm.data.order import local_stream
 from rayllm.data.plan import prepare_data
+from rayllm.data.serve import MAX_DEPTH
 
 pytestmark = pytest.mark.slow
 KEY, SECRET = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e"
@@ -39,19 +40,22 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
         "data.record_ids=true",
         "data.shuffle_window=64",
         f"run.dir={tmp_path / 'run'}",
-        "train.checkpoint_every=2",
+        "train.checkpoint_every=4",
         "train.keep_checkpoints=1000",
-        "train.log_every=1",
+        "train.log_every=2",
         "train.sample_tokens=0",
         "cluster.num_workers=2",
         "cluster.max_failures=2",
     ]
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*base, "train.max_steps=24"])
+    # More steps than the server runs ahead (MAX_DEPTH): it cannot have served them all before its kill.
+    steps = MAX_DEPTH + 8
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*base, f"train.max_steps={steps}"])
     plan = prepare_data(config, log=lambda *_: None).train
-    stream = np.concatenate([rows for _, (rows, _) in zip(range(24), local_stream(plan, global_batch=G), strict=False)])
+    batches = zip(range(steps), local_stream(plan, global_batch=G), strict=False)
+    stream = np.concatenate([rows for _, (rows, _) in batches])
     expected = ids_of(stream[["source", "epoch", "shard", "index"]])
     killed: list[int] = []
-    watcher = kill_actor_after(str(tmp_path / "run"), 3, "StreamServer", killed)
+    watcher = kill_actor_after(str(tmp_path / "run"), 6, "StreamServer", killed)
     result = train(config, quiet=True)
     watcher.join(timeout=1)
     return {"result": result, "expected": expected, "killed": killed, "run_dir": tmp_path / "run", "config": config}
@@ -60,7 +64,7 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
 def test_a_killed_data_stream_server_costs_a_restart_not_the_run(marked_run):
     result = marked_run["result"]
     assert marked_run["killed"], "the stream server was not killed"
-    assert result.step == 24
+    assert result.step == MAX_DEPTH + 8
     failures = [r for r in result.history if r["kind"] == "failure"]
     assert failures and "data stream server died" in failures[0]["message"], failures
     starts = [r for r in result.history if r["kind"] == "start"]

@@ -121,7 +121,7 @@ def test_bench_tokenize_serves_a_low_demand_without_waiting(ray_local, overrides
     from rayllm.config import TrainConfig
 
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides)
-    result = bench_tokenize.run(config, cpus=4, multiples=(0.05,), seconds=6, tokenize_tasks=2)
+    result = bench_tokenize.run(config, cpus=4, multiples=(0.05,), seconds=3, tokenize_tasks=2)
     row = result["rows"][0]
     assert row["wait_frac_second_half"] <= 0.02, row
     assert row["served_tokens_per_s"] >= 0.9 * row["demand_tokens_per_s"], row

@@ -52,5 +52,5 @@ def test_a_rank_is_a_straggler_only_when_slow_in_consecutive_windows():
     assert stragglers.update([0.10, 0.30, 0.11]) == {}  # slow once: not yet
     assert stragglers.update([0.10, 0.31, 0.11]) == {1: 0.31 / 0.11}
     assert stragglers.update([0.10, 0.11, 0.11]) == {}  # back in line
-    assert stragglers.update([0.001, 0.003, 0.001]) == {}  # 3x, but by 2 ms: noise
-    assert stragglers.update([0.001, 0.003, 0.001]) == {}
+    assert stragglers.update([0.01, 0.03, 0.01]) == {}  # 3x, but by 20 ms: noise
+    assert stragglers.update([0.01, 0.03, 0.01]) == {}

@@ -20,6 +20,7 @@ the consumer downstream takes, and its ordered output would serialise a group's 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -146,7 +147,8 @@ class TokenizePool:
         import ray
 
         self._ray = ray
-        self._key = hash(tokenizer_json)
+        # The same key in every process (str hashes are salted per process): one tokenizer per task worker.
+        self._key = int.from_bytes(hashlib.sha1(tokenizer_json.encode()).digest()[:8], "big")
         self._tokenizer_ref = [ray.put(tokenizer_json)]  # in a list: the task fetches it once per process
         # num_cpus=0: never queued behind training workers that hold every CPU (a deadlock); the
         # sizer bounds how many run. No runtime_env of their own: they reuse the reading tasks'

@@ -298,6 +298,8 @@ class Trainer:
         metrics: dict[str, Any] = dict(self.last_metrics)
         start = self.step
         while self.step < end:
+            with watchdog.slow():  # a test's hold before a step (fault injection) is not a hang
+                faults.maybe_pause_before(self.step + 1)
             step_started = time.monotonic()
             self._train_next(batches, window, first=self.step == start)
             busy, stop, due, preempted = self._control()
@@ -339,7 +341,6 @@ class Trainer:
         """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
         train.max_nonfinite_steps non-finite steps in a row."""
         t = self.config.train
-        faults.maybe_pause_before(self.step + 1)
         faults.maybe_raise_at(self.step + 1, self.session.rank)
         with window.waiting():
             faults.maybe_slow_data(self.session.rank)
