@@ -42,7 +42,10 @@ def test_the_summary_names_the_running_rank_and_who_waited():
     line = summary_line(reports, 3, 12.4, 10.0, "runs/x/hangs/attempt-1")
     assert line.startswith("hang: no step finished for 12 s (deadline 10 s): rank 1 on node b (maybe_hang")
     assert "did not reach the end of step 10; ranks 0, 2 waited for it" in line
-    # Nobody running: the rank that never reported is the one to look at.
+    # Nobody running: a rank waiting for data is the one that did not arrive.
+    fed = summary_line([reports[0], reports[2]], 2, 12, 10, "x")
+    assert "rank 2 on node a (steps (serve.py:3))" in fed and "; rank 0 waited for it" in fed
+    # Nobody running or waiting for data: the rank that never reported is the one to look at.
     waiting = [dict(r, state="collective") for r in reports[:2]]
     assert "rank 2 on node ? (no report)" in summary_line(waiting, 3, 12, 10, "x")
 

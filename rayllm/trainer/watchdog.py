@@ -43,6 +43,7 @@ from rayllm.storage import join, write_text
 HANG_EXIT = 75
 SLOW_PHASE_S = 1800.0  # before the first step, and during validation and checkpoints
 GATHER_S = 10.0
+FIRE_LIMIT_S = 120.0  # writing the dumps (object storage) and gathering may take this long, then the rank exits
 SAMPLE_EVERY_S = 0.01  # the loop thread's stack is sampled this often: its time in collectives
 RECENT_STEPS = 50
 STORE_PREFIX = "rayllm-hang"
@@ -85,7 +86,7 @@ def where(frame) -> tuple[str, str]:
 
 def summary_line(reports: list[dict], world_size: int, silent_s: float, deadline: float, where_to: str) -> str:
     """One line: how long nothing moved, who did not reach the step's end, where the stacks are."""
-    culprits = [r for r in reports if r["state"] == "running"]
+    culprits = [r for r in reports if r["state"] == "running"] or [r for r in reports if r["state"] == "data"]
     if not culprits:  # every reporting rank waits on another: the silent ones, else the lowest step
         missing = sorted(set(range(world_size)) - {r["rank"] for r in reports})
         culprits = [{"rank": m, "node": "?", "place": "no report", "step": "?"} for m in missing] or [
@@ -93,7 +94,8 @@ def summary_line(reports: list[dict], world_size: int, silent_s: float, deadline
         ]
     named = "; ".join(f"rank {c['rank']} on node {c['node']} ({c['place']})" for c in culprits)
     waiting = sorted(r["rank"] for r in reports if r not in culprits)
-    others = f"; ranks {', '.join(map(str, waiting))} waited for it" if waiting else ""
+    plural = "s" if len(waiting) > 1 else ""
+    others = f"; rank{plural} {', '.join(map(str, waiting))} waited for it" if waiting else ""
     step = max((r["step"] for r in reports), default=0) + 1
     return (
         f"hang: no step finished for {silent_s:.0f} s (deadline {deadline:.0f} s): {named} did not reach the end "
@@ -157,6 +159,10 @@ class HangWatchdog:
             silent = time.monotonic() - self._last_beat
             deadline = self.deadline()
             if silent > deadline:
+                # The dumps go to storage that may itself be what hangs: the rank exits regardless.
+                limit = threading.Timer(FIRE_LIMIT_S, os._exit, args=(HANG_EXIT,))
+                limit.daemon = True
+                limit.start()
                 try:
                     self._fire(silent, deadline)
                 finally:
