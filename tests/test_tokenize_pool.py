@@ -124,5 +124,9 @@ def test_bench_tokenize_serves_a_low_demand_without_waiting(ray_local, overrides
     result = bench_tokenize.run(config, cpus=4, multiples=(0.05,), seconds=3, tokenize_tasks=2)
     row = result["rows"][0]
     assert row["wait_frac_second_half"] <= 0.02, row
-    assert row["served_tokens_per_s"] >= 0.9 * row["demand_tokens_per_s"], row
+    # A sanity check that the consumer kept its pace, loose on purpose: the second half holds ~15
+    # steps of 0.1 s, so one step more or less at its edges and sleep overshoot on a loaded
+    # machine move the rate by ~10%. The wait above is the measure; the whole run's rate also
+    # holds the stream's start-up.
+    assert row["served_tokens_per_s_second_half"] >= 0.7 * row["demand_tokens_per_s"], row
     assert "wait %" in bench_tokenize.format_result(result)

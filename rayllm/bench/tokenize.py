@@ -60,6 +60,7 @@ def paced(plan, demand: float, seconds: float, tokenize_tasks: int) -> dict[str,
     return {
         "demand_tokens_per_s": demand,
         "served_tokens_per_s": len(steps) * tokens_per_step / (end - begin),
+        "served_tokens_per_s_second_half": len(late) * tokens_per_step / max(1e-9, end - half),
         "seconds_to_first_batch": first,
         "wait_frac": sum(w for _, w in steps) / (end - begin),
         "wait_frac_second_half": sum(late) / max(1e-9, end - half),
