@@ -12,7 +12,7 @@ def test_bench_serve_serves_every_rank_its_slices_from_memory_and_shards():
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if " ranks  " in line]
-    assert len(lines) == 8, proc.stdout  # {memory, shards} x {1, 4} ranks x {per-rank queues, object store}
+    assert len(lines) == 12, proc.stdout  # {memory, shards} x {1, 4} ranks x 3 designs
     for source in ("memory", "shards"):
-        for design in ("per-rank queues", "object store"):
+        for design in ("per-rank queues", "object store", "node relays"):
             assert sum(line.startswith(source) and design in line for line in lines) == 2, proc.stdout

@@ -7,8 +7,14 @@ prints served tokens/s and the p50/p99 time a rank waits for its slice, for:
 
 - ``per-rank queues`` (the design before issue 18): one threaded actor, one queue and one
   thread per rank, one call per rank per step carrying the rank's tokens;
-- ``object store`` (data/serve.py): one asyncio actor puts one object per node's worth of
-  slices and hands out references for every ready step in one call.
+- ``object store`` (issue 18's first step): the stream server (data/serve.py) puts one object
+  per node's worth of slices and hands out references for every ready step in one call, each
+  rank asking it for itself;
+- ``node relays`` (data/relay.py, what training uses): the same server, asked once per node by
+  the node's relay, which answers the node's ranks.
+
+Relays run inside the consumer processes beside their node's ranks (a Ray actor each in
+training): the hop from a rank to its relay stays on its node and does not load the server.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
 from rayllm.data.source import RECORD_DTYPE_FIELDS, SourcePlan
 
 RANKS = (1, 8, 64, 256, 1024)
+PER_NODE = 8  # ranks per simulated node (GPUs per host)
+# The server runs at most this many steps ahead here (a run's goes up to 32): the timed steps are
+# then served while timed, not replayed from what the first call fetched, as in a data-bound run.
+SERVER_DEPTH = 4
+DESIGNS = ("per-rank queues", "object store", "node relays")
 FETCH_TIMEOUT_S = 120  # no wait in the bench is unbounded
 SEQ_LEN = 2048
 
@@ -122,7 +133,15 @@ class Consumer:
     """Simulated ranks (asyncio tasks) that take their slices as fast as they can: what is ready
     at first untimed (actors and pipelines starting), then timed up to step ``1 + steps``."""
 
-    async def run(self, server, design: str, ranks: list[int], world: int, steps: int) -> dict[str, Any]:
+    async def run(self, server, design: str, ranks: list[int], world: int, steps: int, per_node: int) -> dict[str, Any]:
+        from rayllm.data.relay import NodeRelay
+
+        # A relay per node (``node relays``) or per rank (``object store``: every rank asks the server).
+        group = per_node if design == "node relays" else 1
+        relays = {}
+        for rank in ranks:
+            if rank // group not in relays:
+                relays[rank // group] = NodeRelay(server, f"node-{rank // group}", min(group, world - rank), world)
         waits: list[float] = []
         tokens = 0
         warm = asyncio.Event()
@@ -140,7 +159,7 @@ class Consumer:
         async def fetch(rank: int, held: int) -> list:
             if design == "per-rank queues":
                 return [rows for rows, _ in await server.take.remote(rank)]
-            reply = await server.steps.remote(rank, world, held)
+            reply = await relays[rank // group].steps(rank, held)
             objects = await asyncio.gather(*(asyncio.shield(pull(ref)) for ref, *_ in reply))
             return [obj[lo:hi] for obj, (_, lo, hi, _) in zip(objects, reply, strict=True)]
 
@@ -169,14 +188,18 @@ class Consumer:
         tasks = [asyncio.ensure_future(rank_loop(r)) for r in ranks]
         await asyncio.wait_for(warm.wait(), timeout=600)
         started = time.perf_counter()
+        calls_before = sum(r.server_calls for r in relays.values())
         await asyncio.gather(*tasks)
-        return {"waits": waits, "tokens": tokens, "seconds": time.perf_counter() - started}
+        seconds = time.perf_counter() - started
+        calls = sum(r.server_calls for r in relays.values()) - calls_before
+        return {"waits": waits, "tokens": tokens, "seconds": seconds, "server_calls": calls}
 
 
 def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers: int, parallelism: int) -> dict:
     import ray
 
     global_batch = max(world, 256)
+    per_node = min(PER_NODE, world)
     if design == "per-rank queues":
         server = (
             ray.remote(PerRankQueues)
@@ -184,16 +207,18 @@ def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers:
             .remote(plan, global_batch, world, parallelism)
         )
     else:
-        per_node = 8
         server = (
             ray.remote(_object_store_server())
             .options(num_cpus=0, max_concurrency=10_000)
-            .remote(plan, DataState().to_dict(), 0, global_batch, world, min(per_node, world), parallelism)
+            .remote(plan, DataState().to_dict(), 0, global_batch, world, per_node, parallelism, SERVER_DEPTH)
         )
-    actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, world))]
-    ranks = [list(range(world))[i :: len(actors)] for i in range(len(actors))]
+    # Whole nodes per consumer process, as a node's ranks share its relay.
+    nodes = [list(range(n, min(world, n + per_node))) for n in range(0, world, per_node)]
+    actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, len(nodes)))]
+    ranks = [sum(nodes[i :: len(actors)], []) for i in range(len(actors))]
     cpu, produced = ray.get(server.counters.remote())
-    results = ray.get([a.run.remote(server, design, r, world, steps) for a, r in zip(actors, ranks, strict=True)])
+    runs = [a.run.remote(server, design, r, world, steps, per_node) for a, r in zip(actors, ranks, strict=True)]
+    results = ray.get(runs)
     cpu_end, produced_end = ray.get(server.counters.remote())
     per_step = (cpu_end - cpu) / max(1, produced_end - produced)  # the server's CPU (all threads) per step
     for a in [*actors, server]:
@@ -211,6 +236,7 @@ def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers:
         "p50_ms": 1000 * statistics.median(waits),
         "p99_ms": 1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))],
         "calls": sum(1 for w in waits if w > 0),
+        "server_calls": sum(r.get("server_calls", 0) for r in results) if design != "per-rank queues" else None,
         "server_cpu_ms_per_step": 1000 * per_step,
         "steps": steps,
     }
@@ -258,7 +284,7 @@ def run(
     try:
         for source in sources:
             for world in ranks:
-                for design in ("per-rank queues", "object store"):
+                for design in DESIGNS:
                     served = plan if source == "shards" else seq_len
                     rows.append(_one(design, served, world, steps, consumers, parallelism))
                     print(_line(rows[-1]), flush=True)
@@ -268,8 +294,11 @@ def run(
 
 
 def _line(r: dict) -> str:
+    # The baseline's ranks call its actor directly: each rank call is a server call.
+    calls = r["calls"] if r["server_calls"] is None else r["server_calls"]
+    server_calls = f"{calls / r['steps']:.1f}"
     return (
         f"{r['source']:<7}{r['ranks']:>5} ranks  {r['design']:<16} {r['tokens_per_s'] / 1e6:8.2f} M tokens/s  "
-        f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['calls'] / r['steps']:6.1f} calls/step  "
-        f"server CPU {r['server_cpu_ms_per_step']:6.1f} ms/step"
+        f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['calls'] / r['steps']:6.1f} rank calls/step  "
+        f"{server_calls:>5} server calls/step  server CPU {r['server_cpu_ms_per_step']:6.1f} ms/step"
     )

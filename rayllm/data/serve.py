@@ -1,14 +1,15 @@
-"""The global stream served to the ranks through Ray's object store, with no per-rank thread or queue.
+"""The global stream served through Ray's object store, with no per-rank thread, queue or call.
 
 One ``StreamServer`` actor per training attempt runs the source pipelines (ray_stream.py) and
 the global order (order.py). Per step it puts the global batch into the object store as one
 object per *node's worth* of data-parallel slices (``slices_per_object``: the data ranks of
-one node), and records the references. A rank asks for the references of every step ready
-after the last one it holds: a call carries no tokens and covers every step the server is
-ahead by (up to 32), so it answers about once per many steps when data keeps up. The tokens go
-object store to object store, once per node, and each rank views its rows in place.
+one node), and records the references. Its clients are the nodes' relays (relay.py), not the
+ranks: a relay asks for the objects of its node's ranks of every step ready after the last one
+it holds. A call carries no tokens and covers every step the server is ahead by (up to 32), so
+the server answers one call per node per many steps when data keeps up, and one per node per
+step when it does not. The tokens go object store to object store, once per node.
 
-The server is an asyncio actor: a waiting rank is a suspended coroutine, not a thread.
+The server is an asyncio actor: a waiting relay is a suspended coroutine, not a thread.
 The arithmetic for 1,000 GPUs is in docs/data.md.
 
 Written by hand because Ray Data's own splitting (``streaming_split``) hands out blocks as
@@ -32,7 +33,7 @@ REPLY_WAIT_S = 5.0  # a call with nothing ready returns empty after this, and th
 
 
 class StreamServer:
-    """Produces global batches ahead of the slowest rank (at most ``depth`` steps) and hands out references."""
+    """Produces global batches ahead of the slowest client (at most ``depth`` steps) and hands out references."""
 
     def __init__(
         self,
@@ -52,9 +53,11 @@ class StreamServer:
         self._sized = False  # depth fixed by the first batch's bytes
         self._steps: dict[int, tuple[list, dict]] = {}  # step of this attempt -> (object refs, data state)
         self._published = 0
-        self._held: dict[int, int] = {}  # rank -> steps it has taken (written on the event loop)
+        self._held: dict[str, int] = {}  # client -> steps its slowest rank has taken (written on the event loop)
+        self._clients_ranks: dict[str, int] = {}  # client -> how many ranks it serves
         self._held_lock = threading.Lock()  # ... and read by the producer thread
         self._ranks = 0
+        self._layouts: dict[tuple[int, ...], tuple[list[int], dict[int, tuple[int, int, int]]]] = {}
         self._done = False
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -90,9 +93,10 @@ class StreamServer:
         """Block the producer while it is ``depth`` steps ahead of the slowest rank; drop what all ranks hold."""
         while not self._stop.is_set():
             with self._held_lock:
-                slowest = min(self._held.values()) if len(self._held) == self._ranks and self._ranks else 0
+                every_rank = self._ranks and sum(self._clients_ranks.values()) == self._ranks
+                slowest = min(self._held.values()) if every_rank else 0
             for step in [s for s in self._steps if s < slowest]:
-                del self._steps[step]  # ranks that took it hold their own reference
+                del self._steps[step]  # the relays hold their own references until their ranks took them
             if self._published - slowest < self._depth:
                 return True
             time.sleep(0.005)
@@ -107,34 +111,46 @@ class StreamServer:
         news, self._news = self._news, asyncio.Event()
         news.set()
 
-    async def steps(self, rank: int, world_size: int, held: int) -> list | str:
-        """References for ``rank``'s slice of every step after the first ``held`` that is ready
-        (empty after REPLY_WAIT_S with none), or END; raises the stream's error."""
+    async def steps(self, client: str, ranks: list[int], world_size: int, fetched: int, taken: int) -> dict | str:
+        """For a client serving ``ranks`` (a node's relay) whose slowest rank has taken ``taken``
+        steps: the objects holding those ranks' rows of every step after the first ``fetched``
+        that is ready, with where each rank's rows lie in them (``layout``: rank -> (object, lo,
+        hi)); no steps after REPLY_WAIT_S with none ready, or END. Raises the stream's error."""
         if self._loop is None:
             self._loop, self._news = asyncio.get_running_loop(), asyncio.Event()
         self._ranks = world_size
         with self._held_lock:
-            self._held[rank] = held
+            self._held[client] = taken
+            self._clients_ranks[client] = len(ranks)
         deadline = time.monotonic() + REPLY_WAIT_S
-        while self._published <= held:
+        while self._published <= fetched:
             if self._error is not None:
                 raise self._error
             if self._done:
                 return END
             left = deadline - time.monotonic()
             if left <= 0:
-                return []
+                return {"layout": {}, "steps": []}
             try:
                 await asyncio.wait_for(self._news.wait(), timeout=left)
             except asyncio.TimeoutError:
                 pass
-        data_slice = rank * self._slices // world_size
-        obj, offset = divmod(data_slice, self._per_object)
-        lo = offset * self._rows_per_slice
-        return [
-            (self._steps[s][0][obj], lo, lo + self._rows_per_slice, self._steps[s][1])
-            for s in range(held, self._published)
-        ]
+        objects, layout = self._layout(tuple(ranks), world_size)
+        ready = [self._steps[s] for s in range(fetched, self._published)]
+        return {"layout": layout, "steps": [([refs[o] for o in objects], meta) for refs, meta in ready]}
+
+    def _layout(self, ranks: tuple[int, ...], world_size: int):
+        """The objects a client's ranks read from, and each rank's (index among them, lo, hi)."""
+        if ranks not in self._layouts:
+            where = {}
+            for rank in ranks:
+                data_slice = rank * self._slices // world_size
+                obj, offset = divmod(data_slice, self._per_object)
+                where[rank] = (obj, offset * self._rows_per_slice)
+            objects = sorted({obj for obj, _ in where.values()})
+            layout = {r: (objects.index(o), lo, lo + self._rows_per_slice) for r, (o, lo) in where.items()}
+            self._layouts[ranks] = (objects, layout)
+        return self._layouts[ranks]
 
     def stop(self) -> None:
         self._stop.set()
@@ -163,7 +179,7 @@ def start_server(
     actor = ray.remote(StreamServer).options(
         name=name,
         num_cpus=0,
-        max_concurrency=10_000,  # waiting ranks are coroutines, not threads
+        max_concurrency=10_000,  # waiting relays are coroutines, not threads
         # The producer thread's ray.get (Ray Data) is not on the event loop: Ray's warning does not apply.
         runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}},
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
@@ -172,37 +188,6 @@ def start_server(
 
 
 class DataStreamLost(RuntimeError):
-    """The stream server died or stalled. Not a user error: the attempt fails and Ray Train restarts
-    the run from its latest checkpoint, whose data state says where the new server starts."""
-
-
-def served_batches(server, rank: int, world_size: int, timeout_s: float) -> Iterator[tuple[Any, DataState]]:
-    """This rank's rows of each step (a view of its node's object) with the data state after it;
-    no wait is longer than ``timeout_s`` (data.wait_timeout_s)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    held, last = 0, time.monotonic()
-    while True:
-        try:
-            reply = ray.get(server.steps.remote(rank, world_size, held), timeout=timeout_s)
-            objects = ray.get([ref for ref, *_ in reply], timeout=timeout_s) if isinstance(reply, list) else []
-        except RayActorError as e:
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DataStreamLost(
-                f"the data stream server died ({cause}); restarting from the latest checkpoint"
-            ) from None
-        except GetTimeoutError:
-            objects, reply = None, []
-        if reply == END:
-            return
-        if not reply and time.monotonic() - last > timeout_s:
-            raise DataStreamLost(
-                f"rank {rank} waited {timeout_s:g} s (data.wait_timeout_s) for its next batch from the data "
-                "stream server and got none: the server or its Ray Data tasks are stalled (is there a free CPU "
-                "for them?); restarting from the latest checkpoint"
-            )
-        for rows, (_, lo, hi, meta) in zip(objects or [], reply, strict=True):
-            held += 1
-            last = time.monotonic()
-            yield rows[lo:hi], DataState.from_dict(meta)
+    """The stream server or a node's relay died or stalled. Not a user error: the attempt fails
+    and Ray Train restarts the run from its latest checkpoint, whose data state says where the
+    new server starts."""

@@ -12,7 +12,8 @@ import torch
 from rayllm.checkpoint import checkpoint_name
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
-from rayllm.data.serve import served_batches, start_server
+from rayllm.data.relay import served_batches, start_relay
+from rayllm.data.serve import start_server
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
@@ -33,6 +34,7 @@ class RaySession:
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
         self._server = None
+        self._relay = None
         self._validation = validation  # an object ref: the validation batches
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
         self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
@@ -51,7 +53,8 @@ class RaySession:
             self.device = torch.device("cpu")
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
-        """Rank 0 starts this attempt's stream server; every rank then pulls its slices from it."""
+        """Rank 0 starts this attempt's stream server; every rank pulls its slices through its
+        node's relay (relay.py), which the node's first rank to ask starts."""
         import uuid
 
         import ray
@@ -73,7 +76,8 @@ class RaySession:
         if self.world_size > 1:
             dist.broadcast_object_list(name, src=0)
         server = self._server if self.rank == 0 else ray.get_actor(name[0])
-        return served_batches(server, self.rank, self.world_size, self.config.data.wait_timeout_s)
+        self._relay = start_relay(server, name[0], local_ranks=self.local_world_size, world_size=self.world_size)
+        return served_batches(self._relay, self.rank, self.config.data.wait_timeout_s)
 
     def validation_batches(self) -> list:
         """Packed once by the driver (launch.py) and fetched from the object store, once per node."""
@@ -82,11 +86,15 @@ class RaySession:
         return ray.get(self._validation, timeout=self.config.data.wait_timeout_s)
 
     def close(self) -> None:
-        if self._server is not None:
-            import ray
+        import ray
 
-            ray.kill(self._server)
-            self._server = None
+        for actor in (self._relay, self._server):  # each rank kills its node's relay; the first to do so wins
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception:  # already gone
+                    pass
+        self._relay = self._server = None
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         """Ray Train records the complete checkpoint, already in its run folder, for its retention of

@@ -1,0 +1,168 @@
+"""One relay per node between the stream server (serve.py) and the node's ranks.
+
+The server's cost is per call, not per byte (a reply is references), so what it must not see is
+a call per rank per step: a data-bound run of 1,000 GPUs would make a thousand a step. A node's
+ranks ask their relay, on their node; the relay asks the server once for the whole node, for the
+objects holding its ranks' rows of every ready step, and answers each rank from that. The
+server then sees one client per node (125 at 1,000 GPUs of 8 per node), and the relay holds
+each step's references until every rank of its node has taken the step.
+
+A relay is a Ray actor named after the attempt's server and its node, created by whichever of
+the node's ranks asks first (``get_if_exists``), on that node, and it dies with that rank (its
+owner) or when the attempt ends. Its loss, or the server's, is a ``DataStreamLost``: the attempt
+restarts from the latest checkpoint, as for any worker's loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from rayllm.data.order import DataState
+from rayllm.data.serve import END, REPLY_WAIT_S, DataStreamLost
+
+SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's call to it is given up
+
+
+class NodeRelay:
+    """Answers a node's ranks from one call to the server per batch of ready steps."""
+
+    def __init__(self, server, key: str, local_ranks: int, world_size: int):
+        self._server, self._key = server, key
+        self._local_ranks, self._world = local_ranks, world_size
+        self._held: dict[int, int] = {}  # rank -> steps it has taken
+        self._steps: dict[int, tuple[list, dict]] = {}  # step -> (this node's objects, data state after it)
+        self._layout: dict[int, tuple[int, int, int]] = {}  # rank -> (object, lo, hi)
+        self._fetched = 0  # steps this relay holds references for (the first ones may be dropped)
+        self._fetching = False
+        self._end = False
+        self._error: BaseException | None = None
+        self._news: asyncio.Event | None = None
+        self.server_calls = 0
+
+    async def steps(self, rank: int, held: int) -> list | str:
+        """References for ``rank``'s rows of every step after the first ``held`` that is ready
+        (empty after REPLY_WAIT_S with none), or END; raises the stream's error."""
+        if self._news is None:
+            self._news = asyncio.Event()
+        self._held[rank] = held
+        self._drop_taken()
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while self._fetched <= held:
+            if self._error is not None:
+                raise self._error
+            if self._end:
+                return END
+            self._start_fetch()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            try:
+                await asyncio.wait_for(self._news.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                pass
+        obj, lo, hi = self._layout[rank]
+        return [(self._steps[s][0][obj], lo, hi, self._steps[s][1]) for s in range(held, self._fetched)]
+
+    def _drop_taken(self) -> None:
+        if len(self._held) == self._local_ranks:
+            taken = min(self._held.values())
+            for step in [s for s in self._steps if s < taken]:
+                del self._steps[step]  # every rank of the node holds its own reference
+
+    def _start_fetch(self) -> None:
+        """One call to the server at a time, once every rank of the node has asked (its layout)."""
+        if not self._fetching and len(self._held) == self._local_ranks:
+            self._fetching = True
+            asyncio.ensure_future(self._fetch())
+
+    async def _fetch(self) -> None:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        taken = min(self._held.values())
+        try:
+            self.server_calls += 1
+            call = self._server.steps.remote(self._key, sorted(self._held), self._world, self._fetched, taken)
+            reply = await asyncio.wait_for(call, timeout=REPLY_WAIT_S + SERVER_GRACE_S)
+            if reply == END:
+                self._end = True
+            else:
+                self._layout = reply["layout"] or self._layout
+                for objects, meta in reply["steps"]:
+                    self._steps[self._fetched] = (objects, meta)
+                    self._fetched += 1
+        except asyncio.TimeoutError:
+            pass  # asked again at the ranks' next call; their own deadline (data.wait_timeout_s) names a stall
+        except RayActorError as e:
+            self._error = DataStreamLost(f"the data stream server died ({_first_line(e)}); {RESTART}")
+        except RayTaskError as e:  # the stream's own error (a bad shard...): the ranks raise it as it is
+            self._error = e.cause if e.cause is not None else e
+        finally:
+            self._fetching = False
+            news, self._news = self._news, asyncio.Event()
+            news.set()
+
+    async def counters(self) -> dict[str, int]:
+        return {"server_calls": self.server_calls, "fetched": self._fetched}
+
+
+RESTART = "restarting from the latest checkpoint"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def start_relay(server, server_name: str, *, local_ranks: int, world_size: int):
+    """This node's relay: created by the first of its ranks to ask, found by the others."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(NodeRelay)
+        .options(
+            name=f"{server_name}-relay-{node[:16]}",
+            get_if_exists=True,  # race-free: Ray creates one and hands it to every asker
+            num_cpus=0,
+            max_concurrency=1_000,  # waiting ranks are coroutines, not threads
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )
+        .remote(server, f"{server_name}/{node}", local_ranks, world_size)
+    )
+
+
+def served_batches(relay, rank: int, timeout_s: float) -> Iterator[tuple[Any, DataState]]:
+    """This rank's rows of each step (a view of its node's object) with the data state after it;
+    no wait is longer than ``timeout_s`` (data.wait_timeout_s)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    held, last = 0, time.monotonic()
+    while True:
+        try:
+            reply = ray.get(relay.steps.remote(rank, held), timeout=timeout_s)
+            objects = ray.get([ref for ref, *_ in reply], timeout=timeout_s) if isinstance(reply, list) else []
+        except RayActorError as e:
+            raise DataStreamLost(f"the data relay of this node died ({_first_line(e)}); {RESTART}") from None
+        except RayTaskError as e:
+            if isinstance(e.cause, DataStreamLost):
+                raise DataStreamLost(str(e.cause)) from None
+            raise
+        except GetTimeoutError:
+            objects, reply = None, []
+        if reply == END:
+            return
+        if not reply and time.monotonic() - last > timeout_s:
+            raise DataStreamLost(
+                f"rank {rank} waited {timeout_s:g} s (data.wait_timeout_s) for its next batch from the data "
+                "stream and got none: the stream server or its Ray Data tasks are stalled (is there a free CPU "
+                f"for them?); {RESTART}"
+            )
+        for rows, (_, lo, hi, meta) in zip(objects or [], reply, strict=True):
+            held += 1
+            last = time.monotonic()
+            yield rows[lo:hi], DataState.from_dict(meta)
