@@ -198,6 +198,11 @@ class TrainingSettings:
     # Also checkpoint when this many seconds have passed since the last one (null: steps only).
     checkpoint_every_s: float | None = None
     keep_checkpoints: int = 2
+    # Also checkpoint into Ray's object store every this many steps (Ray runs; null: off): each
+    # rank's shards are held by a keeper actor on its node and on another node, outliving the
+    # worker group. A restart after a lost worker or node resumes from the newest one whole on
+    # the surviving nodes, else from storage, which stays the durable record.
+    memory_checkpoint_every: int | None = None
     # Also keep every checkpoint at a multiple of this many steps, in run.dir/kept/ (null: none).
     keep_checkpoint_every: int | None = None
     # Write checkpoints in the background (DCP async_save, then an async upload): the step loop

@@ -120,6 +120,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "train.checkpoint_every": (_COUNT, "set steps between checkpoints, for example 100"),
     "train.checkpoint_every_s": (_SECONDS_OR_NULL, "set seconds between checkpoints, or null for steps only"),
     "train.keep_checkpoints": (_COUNT, "set how many latest checkpoints to keep, for example 2"),
+    "train.memory_checkpoint_every": (_COUNT_OR_NULL, "set steps between in-memory checkpoints, or null for none"),
     "train.keep_checkpoint_every": (_COUNT_OR_NULL, "set a step multiple to keep, or null to keep none"),
     "train.max_nonfinite_steps": (_COUNT_OR_NULL, "set skipped steps in a row before stopping, or null to never stop"),
     "train.hang_timeout_s": (_SECONDS_OR_NULL, "set seconds without a finished step, or null to derive them"),
@@ -130,7 +131,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "cluster.cpus_per_worker": (Range(0, low_open=True), "set CPUs per worker, for example 1"),
     "cluster.max_failures": (Range(-1), "set restarts after failures, for example 3 (-1: without limit, 0: none)"),
     "cluster.resize_interval_s": (_SECONDS, "set seconds between checks for room to grow, for example 60"),
-    "cluster.health_check_interval_s": (_SECONDS_OR_NULL, "set seconds between polls, or null for Ray's 2"),
+    "cluster.health_check_interval_s": (_SECONDS_OR_NULL, "set seconds between polls, or null to derive them"),
     "cluster.resource_wait_s": (_SECONDS, "set seconds to wait for room for the workers, for example 300"),
     "tracking.flush_timeout_s": (Range(0), "set seconds to wait for an Aim server at the end, for example 60"),
 }

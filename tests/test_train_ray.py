@@ -126,7 +126,8 @@ def global_order(run_dir) -> list[tuple[int, ...]]:
     import numpy as np
 
     order = []
-    for ckpt in sorted(glob.glob(f"{run_dir}/checkpoint_[0-9]*")):
+    for ckpt in sorted(glob.glob(f"{run_dir}/checkpoint_[0-9]*/rayllm_commit.json")):  # committed ones
+        ckpt = ckpt.rsplit("/", 1)[0]
         per_rank = [np.load(p) for p in sorted(glob.glob(f"{ckpt}/consumed-rank*.npy"))]
         per_step = 8 // len(per_rank)
         for step in range(len(per_rank[0]) // per_step):
@@ -154,6 +155,49 @@ def test_one_worker_stopped_and_rerun_equals_two_fsdp_workers(uninterrupted, tmp
     assert order != sorted(order)  # and that order is shuffled, not the shards' own
     for step, loss in one.items():
         assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
+
+
+def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_before(uninterrupted, tmp_path, monkeypatch):
+    """In-memory checkpoints every step: a worker SIGKILLed in step 5 (the run held before it)
+    costs no stored checkpoint's worth of steps: the run resumes from step 4 out of the keepers,
+    with the uninterrupted run's losses and sequences."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ray.util.state import list_actors
+
+    base, two = uninterrupted
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv("RAYLLM_FAULT_PAUSE_AT", f"5:{hold}")
+    box: dict = {}
+    config = [*base, f"run.dir={run_dir}", "train.memory_checkpoint_every=1"]
+    thread = threading.Thread(target=lambda: box.update(result=run(config)), daemon=True)
+    thread.start()
+
+    def records() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(r["kind"] == "memory_checkpoint" and r["step"] == 4 for r in records()):
+        time.sleep(0.2)
+    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    hold.unlink()
+    thread.join(timeout=300)
+    result = box["result"]
+    starts = [r["step"] for r in result.history if r["kind"] == "start"]
+    assert starts == [0, 4], starts  # the stored checkpoint is step 3's: step 4 came from memory
+    memory = [r for r in result.history if r["kind"] == "memory_checkpoint"]
+    assert memory and all(r["bytes"] > 0 for r in memory)
+    steps = losses(result)
+    assert sorted(steps) == list(range(1, 7))
+    for step, loss in steps.items():
+        assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
+    assert global_order(run_dir) == global_order(two.run_dir)  # every sequence once, in order
 
 
 # Every mesh axis (replicate, shard, tp) as Ray Train workers; FSDP 4 and TP 2 alone, sub-cases of

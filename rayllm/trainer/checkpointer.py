@@ -6,6 +6,9 @@
                    all-reduce): rank 0's state, a barrier, the commit marker (store.py), the
                    session's registration, then rank 0's housekeeping in a thread of its own
 
+    save_memory(step) -> the same into the keepers' object store (checkpoint/memory.py), at once,
+                   unregistered, the latest one kept; resume takes the newest whole checkpoint
+
 One component for both sessions (Ray Train and torchrun); they differ only in ``register``.
 """
 
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rayllm import checkpoint
+from rayllm.checkpoint import memory
 from rayllm.config import TrainConfig
 from rayllm.trainer import faults
 
@@ -39,6 +43,7 @@ class PendingCheckpoint:
     copied: Any = None  # an async save's future: shards copied to CPU memory; None once waited for
     written: Any = None  # ... shards written; None once written
     stall_s: float = 0.0  # time the step loop spent on this checkpoint
+    ids_uncommitted: np.ndarray | None = None  # in memory: the ids of a stored checkpoint still being written
 
 
 class Checkpointer:
@@ -51,6 +56,10 @@ class Checkpointer:
         self.pending: PendingCheckpoint | None = None
         self._writer: checkpoint.AsyncWriter | None = None
         self.last_at = time.monotonic()
+        self.memory: checkpoint.CheckpointStore | None = None
+        if session.memory_root:
+            memory.register()
+            self.memory = checkpoint.CheckpointStore(session.memory_root, config.data.storage)
         # Rank 0 copies milestones and prunes old checkpoints off the step loop: removing a
         # checkpoint's files takes as long as a small model's step.
         self._tidier = (
@@ -60,6 +69,44 @@ class Checkpointer:
     # -- resume ----------------------------------------------------------------------------
     def latest(self) -> str | None:
         return self.store.latest()
+
+    def newest(self) -> str | None:
+        """Collective: where to resume: the newest in-memory checkpoint when it is newer than the
+        latest stored one and whole on the surviving nodes, else the latest stored one. Rank 0
+        decides for all: the keepers' answers may change while ranks ask."""
+        choice = [None]
+        if self.session.rank == 0:
+            stored = self.store.complete_steps()
+            choice[0] = self.store.latest()
+            for step in reversed(self.memory.complete_steps() if self.memory else []):
+                if stored and step <= stored[-1]:
+                    break
+                if memory.whole(self.memory.uri(step)):
+                    choice[0] = self.memory.uri(step)
+                    break
+        if dist.is_initialized() and self.session.world_size > 1:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        return choice[0]
+
+    def is_memory(self, uri: str) -> bool:
+        return uri.startswith(f"{memory.PROTOCOL}://")
+
+    def ids_since_stored(self, uri: str, state: dict[str, Any]) -> list[np.ndarray]:
+        """After resuming from memory: the ids trained on since the last committed stored
+        checkpoint, which the next stored one records: those of a stored checkpoint that was
+        being written unless it got committed after all, then the later ones. This rank takes
+        those of old ranks rank, rank + world, ..."""
+        rank, world = self.session.rank, self.session.world_size
+        names = ["consumed-rank{:05d}.npy"]
+        if state.get("ids_uncommitted_step") not in (None, *self.store.complete_steps()):
+            names.insert(0, "uncommitted-rank{:05d}.npy")
+        folder, found = self.memory.fs._strip_protocol(uri), []
+        for old in range(rank, state["world_size"], world):
+            for name in names:
+                path = posixpath.join(folder, name.format(old))
+                if self.memory.fs.exists(path):
+                    found.append(np.load(io.BytesIO(self.memory.fs.cat_file(path))))
+        return found
 
     def restore(self, uri: str, model, optimizer) -> dict[str, Any]:
         """Collective: model and optimizer from the complete checkpoint ``uri``; returns its state."""
@@ -86,6 +133,26 @@ class Checkpointer:
             ckpt.stall_s = time.perf_counter() - started
             self.commit(ckpt)
 
+    def save_memory(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
+        """Collective: checkpoint this step into the keepers, synchronously (host memory, no
+        storage). Ray Train does not register it; only the latest one is kept."""
+        started = time.perf_counter()
+        rank, world = self.session.rank, self.session.world_size
+        step = ckpt.step
+        checkpoint.save(self.memory.uri(step), self.config.data.storage, model, optimizer)
+        if rank == 0:
+            self.memory.write_state(step, ckpt.state, None)
+        _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
+        _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
+        if dist.is_initialized() and world > 1:
+            dist.barrier(group=self.group)  # every rank's part is held
+        if rank == 0:
+            self.memory.mark_complete(step, world)
+            self.memory.prune(1, written_before=step)
+            held = self.memory.fs.usage(self.memory.root)
+            stall = time.perf_counter() - started
+            self.session.emit({"kind": "memory_checkpoint", "step": step, "stall_s": stall, "bytes": held})
+
     def wait_copied(self) -> None:
         """Before the weights change: wait until a pending async save has copied them (its stall)."""
         ckpt = self.pending
@@ -111,11 +178,7 @@ class Checkpointer:
         if rank == 0:  # rank 0's part, stored before the others may be: only the marker makes it count
             self.store.write_state(ckpt.step, ckpt.state, self.session.train_plan.sources[0].tokenizer_json)
         faults.maybe_crash_before_commit(ckpt.step, rank, world)
-        if ckpt.ids is not None:
-            buffer = io.BytesIO()
-            np.save(buffer, ckpt.ids)
-            name = f"consumed-rank{rank:05d}.npy"
-            self.store.fs.pipe_file(posixpath.join(self.store.path(ckpt.step), name), buffer.getvalue())
+        _write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
         if dist.is_initialized() and world > 1:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
@@ -149,3 +212,11 @@ class Checkpointer:
             self._writer = None
         if self._tidier is not None:
             self._tidier.shutdown(wait=True)
+
+
+def _write_ids(store: checkpoint.CheckpointStore, step: int, name: str, rank: int, ids: np.ndarray | None) -> None:
+    """A rank's record of the sequence ids it trained on (data.record_ids), beside its shards."""
+    if ids is not None:
+        buffer = io.BytesIO()
+        np.save(buffer, ids)
+        store.fs.pipe_file(posixpath.join(store.path(step), f"{name}-rank{rank:05d}.npy"), buffer.getvalue())

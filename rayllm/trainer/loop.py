@@ -135,7 +135,7 @@ class Trainer:
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
-        uri = self.checkpointer.latest()
+        uri = self.checkpointer.newest()
         if uri is None:
             if self.config.model.init_from:  # continued pretraining: read only when starting afresh
                 # The driver converted the folder into the run dir (hf_import): no rank reads the folder.
@@ -150,6 +150,8 @@ class Trainer:
             self.source_counts_before = np.asarray(counts, dtype=np.int64)
         self.last_metrics = state.get("metrics", {})
         self.restarts = state.get("restarts", 0) + 1
+        if self.checkpointer.is_memory(uri) and self.config.data.record_ids and self.counts_data:
+            self._consumed_ids = self.checkpointer.ids_since_stored(uri, state)
 
     def _state(self, metrics: dict[str, Any], source_counts: list[int]) -> dict[str, Any]:
         return {
@@ -165,18 +167,27 @@ class Trainer:
         }
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _checkpoint(self, metrics: dict[str, Any], final: bool) -> None:
-        """Collective: checkpoint this step (see Checkpointer)."""
+    def _checkpoint(self, metrics: dict[str, Any], final: bool, in_memory: bool = False) -> None:
+        """Collective: checkpoint this step to storage, or into the keepers (see Checkpointer)."""
         counts = all_sum([float(c) for c in self.source_counts], self.device)
         total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
-        ids = None
+        ids, state = None, self._state(metrics, total_counts)
         if self.config.data.record_ids and self.counts_data:
-            # The ids trained on since the previous checkpoint, committed with this one (one rank
-            # of each TP group writes them: its peers trained on the same rows).
+            # The ids trained on since the previous stored checkpoint, committed with this one (one
+            # rank of each TP group writes them: its peers trained on the same rows). An in-memory
+            # checkpoint holds them too, and those of a stored one not yet committed, for the
+            # stored one after a resume from it.
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
-            self._consumed_ids = []
-        pending = PendingCheckpoint(self.step, self._state(metrics, total_counts), dict(metrics), ids, final=final)
-        self.checkpointer.save(pending, self.model, self.optimizer)
+            self._consumed_ids = [ids] if in_memory else []
+        pending = PendingCheckpoint(self.step, state, dict(metrics), ids, final=final)
+        if in_memory:
+            uncommitted = self.checkpointer.pending
+            if ids is not None and uncommitted is not None:
+                pending.ids_uncommitted = uncommitted.ids
+                state["ids_uncommitted_step"] = uncommitted.step
+            self.checkpointer.save_memory(pending, self.model, self.optimizer)
+        else:
+            self.checkpointer.save(pending, self.model, self.optimizer)
 
     def _control(self) -> tuple[bool, bool, bool, int | None]:
         """(a write still running on some rank, stop requested, checkpoint time due, a preempted
@@ -317,6 +328,9 @@ class Trainer:
             if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
                 with watchdog.slow():
                     self._checkpoint(metrics, final=last)
+            elif self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0 and not self.nonfinite_in_row:
+                with watchdog.slow():
+                    self._checkpoint(metrics, final=False, in_memory=True)
             if preempted is not None:
                 self.checkpointer.close()
                 self._emit("preempted", step=self.step, rank=preempted)

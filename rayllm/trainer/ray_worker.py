@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rayllm.checkpoint import checkpoint_name
+from rayllm.checkpoint.memory import memory_uri
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.relay import served_batches, start_relay
@@ -21,7 +22,7 @@ from rayllm.trainer.signals import WORKER
 
 
 class RaySession:
-    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None):
+    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None, keepers=None):
         import ray
         import ray.train
 
@@ -43,6 +44,8 @@ class RaySession:
         self._stop = False
         self._emit_failed = False
         self.prunes_checkpoints = False  # Ray Train keeps the last K it has registered
+        # The driver's registry of in-memory checkpoint keepers (checkpoint/memory.py), if any.
+        self.memory_root = memory_uri(keepers, "run") if keepers else None
         self._preemption_context = _preemption_context()
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
@@ -183,7 +186,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)
     control = loop_config["control"]
-    session = RaySession(config, loop_config["queue"], loop_config["plans"], control, loop_config["validation"])
+    session = RaySession(
+        config, loop_config["queue"], loop_config["plans"], control, loop_config["validation"], loop_config["keepers"]
+    )
     attempt = session.attempt = _begin_attempt(control, session.rank)
     trainer = None
     try:

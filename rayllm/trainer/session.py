@@ -31,6 +31,7 @@ class Session(Protocol):
         slice ``rank // ranks_per_slice`` of ``world_size // ranks_per_slice`` (TP peers share one)."""
 
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
+    memory_root: str | None  # where in-memory checkpoints go (checkpoint/memory.py), None: none
 
     def validation_batches(self) -> list[np.ndarray]:
         """Collective: the whole global batches of validation data (train.val_batches of them, or

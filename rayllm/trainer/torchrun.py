@@ -45,6 +45,7 @@ class LocalSession:
             self.device = torch.device("cpu")
         self.train_plan, self.val_plan = plans.train, plans.val
         self.prunes_checkpoints = True  # no Ray Train here to keep the last K
+        self.memory_root = None  # in-memory checkpoints need Ray's object store
         self.node = socket.gethostname()
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
 

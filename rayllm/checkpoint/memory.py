@@ -1,0 +1,275 @@
+"""In-memory checkpoints: checkpoint folders whose files live in Ray's object store, twice.
+
+A ``Keeper`` actor per node holds files as objects it put itself (so it owns them: a dead
+training worker takes none with it). A file written on node A is stored by A's keeper and by
+the keeper of another node (the next in the sorted list of nodes with keepers), so losing one
+node loses no file. The keepers are created and owned by one ``KeeperRegistry`` actor that the
+driver starts for the run: they outlive every worker group and die with the driver.
+
+The files are reached through an fsspec filesystem, ``rayllm-mem://<registry>/<path>``, so
+the checkpoint code does not change: DCP writes and reads shards through its fsspec writer
+and reader (resharding when the world size changed), and store.py's commit protocol (state,
+marker, retention) applies as to storage. Written by hand because nothing in Ray or fsspec
+keeps files in the object store across processes (fsspec's ``memory://`` is per process).
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+PROTOCOL = "rayllm-mem"
+CALL_TIMEOUT_S = 120.0  # any call to a keeper or the registry; a node lost mid-call ends it sooner
+
+
+class Keeper:
+    """One node's files: path -> object (put by this actor, so owned by it)."""
+
+    def __init__(self):
+        self._files: dict[str, tuple[Any, int]] = {}  # path -> (object ref, bytes)
+
+    def put(self, path: str, data: bytes) -> int:
+        import ray
+
+        self._files[path] = (ray.put(data), len(data))
+        return len(data)
+
+    def get(self, path: str) -> list:
+        """[the file's object ref] (in a list, so that Ray hands back the reference), or []."""
+        entry = self._files.get(path)
+        return [entry[0]] if entry else []
+
+    def ls(self, prefix: str) -> dict[str, int]:
+        return {p: n for p, (_, n) in self._files.items() if p == prefix or p.startswith(prefix.rstrip("/") + "/")}
+
+    def rm(self, prefix: str) -> None:
+        for path in list(self.ls(prefix)):
+            del self._files[path]
+
+    def rename(self, src: str, dst: str) -> None:
+        for path in list(self.ls(src)):
+            self._files[dst + path[len(src) :]] = self._files.pop(path)
+
+    def usage(self) -> int:
+        return sum(n for _, n in self._files.values())
+
+
+class KeeperRegistry:
+    """The run's keepers, one per node, created on first ask and owned here (see module doc)."""
+
+    def __init__(self):
+        self._keepers: dict[str, Any] = {}
+
+    def keeper(self, node: str):
+        """This node's keeper, created on first ask, pinned to the node."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if node not in self._keepers:
+            self._keepers[node] = (
+                ray.remote(Keeper)
+                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                .remote()
+            )
+        return self._keepers[node]
+
+    def keepers(self) -> dict[str, Any]:
+        """Every keeper asked for so far, by node (some may have died with their node)."""
+        return dict(self._keepers)
+
+    def forget(self, node: str) -> None:
+        self._keepers.pop(node, None)
+
+
+def start_registry(name: str):
+    """The driver's registry of keepers for one run, beside the driver; dies with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(KeeperRegistry).options(name=name, num_cpus=0, scheduling_strategy=here).remote()
+
+
+def memory_uri(registry_name: str, run: str) -> str:
+    return f"{PROTOCOL}://{registry_name}/{run.strip('/')}"
+
+
+class _WriteBuffer(io.BytesIO):
+    def __init__(self, fs: KeeperFileSystem, path: str):
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        if not self.closed:
+            self._fs.pipe_file(self._path, self.getvalue())
+        super().close()
+
+
+class KeeperFileSystem(AbstractFileSystem):
+    """fsspec over the keepers of the registry named by a path's first part."""
+
+    protocol = PROTOCOL
+    root_marker = ""
+    cachable = False  # keepers come and go with nodes: ask the registry afresh
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._registries: dict[str, Any] = {}
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return path.removeprefix(f"{PROTOCOL}://").rstrip("/")
+
+    # -- keepers ------------------------------------------------------------------------------
+    def _registry(self, path: str):
+        import ray
+
+        name = path.split("/", 1)[0]
+        if name not in self._registries:
+            self._registries[name] = ray.get_actor(name)
+        return self._registries[name]
+
+    def _keepers(self, path: str) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self._registry(path).keepers.remote(), timeout=CALL_TIMEOUT_S)
+
+    def _each(self, path: str, method: str, *args) -> list:
+        """``method`` on every live keeper; the answers of those that replied (a lost node's do not)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        calls = [getattr(k, method).remote(*args) for k in self._keepers(path).values()]
+        answers = []
+        for call in calls:
+            try:
+                answers.append(ray.get(call, timeout=CALL_TIMEOUT_S))
+            except (RayActorError, GetTimeoutError):
+                pass  # a keeper lost with its node: the other copy answers
+        return answers
+
+    # -- fsspec -------------------------------------------------------------------------------
+    def pipe_file(self, path: str, value: bytes, **kwargs) -> None:
+        """Stored by this node's keeper and by the first live keeper after it in node order."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        path = self._strip_protocol(path)
+        registry = self._registry(path)
+        data = ray.put(bytes(value))  # once: both keepers take it from this node's store
+        node = ray.get_runtime_context().get_node_id()
+        own = ray.get(registry.keeper.remote(node), timeout=CALL_TIMEOUT_S)
+        ray.get(own.put.remote(path, data), timeout=CALL_TIMEOUT_S)
+        others = sorted(n for n in self._keepers(path) if n != node)
+        for other in [n for n in others if n > node] + [n for n in others if n < node]:
+            try:
+                keeper = ray.get(registry.keeper.remote(other), timeout=CALL_TIMEOUT_S)
+                ray.get(keeper.put.remote(path, data), timeout=CALL_TIMEOUT_S)
+                return
+            except (RayActorError, GetTimeoutError):
+                registry.forget.remote(other)  # lost with its node: the next one keeps the copy
+
+    def cat_file(self, path: str, start=None, end=None, **kwargs) -> bytes:
+        import ray
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+
+        path = self._strip_protocol(path)
+        for keeper in self._keepers(path).values():
+            try:
+                found = ray.get(keeper.get.remote(path), timeout=CALL_TIMEOUT_S)
+                if found:
+                    data = ray.get(found[0], timeout=CALL_TIMEOUT_S)
+                    return data[start:end]
+            except (RayActorError, GetTimeoutError, ObjectLostError):
+                continue
+        raise FileNotFoundError(path)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs):
+        if "r" in mode:
+            return io.BytesIO(self.cat_file(path))
+        return _WriteBuffer(self, self._strip_protocol(path))
+
+    def _listing(self, path: str) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for answer in self._each(path, "ls", path):
+            found.update(answer)
+        return found
+
+    def ls(self, path: str, detail: bool = True, **kwargs):
+        path = self._strip_protocol(path)
+        entries: dict[str, dict] = {}
+        for file, size in self._listing(path).items():
+            if file == path:
+                entries[file] = {"name": file, "size": size, "type": "file"}
+                continue
+            child = file[len(path) + 1 :].split("/", 1)
+            name = f"{path}/{child[0]}"
+            if len(child) == 1:
+                entries[name] = {"name": name, "size": size, "type": "file"}
+            else:
+                entries.setdefault(name, {"name": name, "size": 0, "type": "directory"})
+        if not entries:
+            raise FileNotFoundError(path)
+        listed = sorted(entries.values(), key=lambda e: e["name"])
+        return listed if detail else [e["name"] for e in listed]
+
+    def info(self, path: str, **kwargs) -> dict:
+        path = self._strip_protocol(path)
+        listing = self._listing(path)
+        if path in listing:
+            return {"name": path, "size": listing[path], "type": "file"}
+        if listing:
+            return {"name": path, "size": 0, "type": "directory"}
+        raise FileNotFoundError(path)
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        pass  # folders are prefixes
+
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs) -> None:
+        pass
+
+    def rm(self, path, recursive: bool = False, maxdepth=None) -> None:
+        for p in [path] if isinstance(path, str) else path:
+            self._each(p, "rm", self._strip_protocol(p))
+
+    def rm_file(self, path: str) -> None:
+        self.rm(path)
+
+    def mv(self, path1: str, path2: str, recursive: bool = False, maxdepth=None, **kwargs) -> None:
+        src, dst = self._strip_protocol(path1), self._strip_protocol(path2)
+        self._each(src, "rename", src, dst)
+
+    rename = mv
+
+    def usage(self, path: str) -> int:
+        """Bytes the keepers hold for this registry, both copies counted."""
+        return sum(self._each(path, "usage"))
+
+
+def register() -> None:
+    """Make ``rayllm-mem://`` known to fsspec in this process (idempotent)."""
+    import fsspec
+
+    fsspec.register_implementation(PROTOCOL, KeeperFileSystem, clobber=True)
+
+
+def whole(uri: str) -> bool:
+    """Whether every file of the checkpoint at ``uri`` is held by a live keeper: its marker, the
+    run state and each DCP file its metadata names (a file both of whose keepers died is gone)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from rayllm.checkpoint.store import COMMIT_FILE, STATE_FILE
+
+    fs = KeeperFileSystem()
+    root = KeeperFileSystem._strip_protocol(uri)
+    held = fs._listing(root)
+    if not {f"{root}/{COMMIT_FILE}", f"{root}/{STATE_FILE}", f"{root}/.metadata"} <= held.keys():
+        return False
+    try:
+        files = {d.relative_path for d in FsspecReader(uri).read_metadata().storage_data.values()}
+    except (FileNotFoundError, OSError):
+        return False
+    return all(posixpath.join(root, f) in held for f in files)
