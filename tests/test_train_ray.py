@@ -200,21 +200,19 @@ def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_befor
     assert global_order(run_dir) == global_order(two.run_dir)  # every sequence once, in order
 
 
-# Every mesh axis (replicate, shard, tp) as Ray Train workers; FSDP 4 and TP 2 alone, sub-cases of
-# these, are walked under torchrun (tests/test_parallel.py), which keeps CI within its half hour.
+# Every mesh axis at once (replicate 2 x shard 2 x tp 2) as Ray Train workers, with activation
+# checkpointing; each layout alone is walked under torchrun (tests/test_parallel.py). One run of
+# 8 workers instead of one per layout keeps CI within its half hour.
 @pytest.mark.parametrize(
     "layout",
-    [
-        ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
-        ["parallel.tp=2", "train.activation_checkpointing=true"],
-    ],
-    ids=["hsdp2x2", "tp2xfsdp2-ac"],
+    [["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.tp=2", "train.activation_checkpointing=true"]],
+    ids=["hsdp2x2xtp2-ac"],
 )
 def test_every_layout_under_ray_train_gives_the_same_losses_and_sequences(uninterrupted, tmp_path, layout):
     """As under torchrun (tests/test_parallel.py), now as Ray Train workers fed by the stream
     server: TP peers get the same rows, and the global order is the 2-worker run's."""
     base, two = uninterrupted
-    workers = ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5"]
+    workers = ["cluster.num_workers=8", "cluster.cpus_per_worker=0.25"]
     result = run([*base, f"run.dir={tmp_path / 'run'}", *workers, *layout])
     assert sorted(losses(result)) == list(range(1, 7))
     for step, loss in losses(result).items():
