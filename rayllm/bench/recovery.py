@@ -12,8 +12,8 @@ progress records (metrics.jsonl, stamped as they arrive) the report gives:
   checkpoint are trained again);
 - beside them, the same run's cold start (driver start -> first step), for scale.
 
-Ray Train's own settings apply as the user has them; RAY_TRAIN_HEALTH_CHECK_INTERVAL_S
-(how often the controller polls workers, 2 s by default) bounds how fast a death is seen.
+How often Ray Train's controller polls the workers (``cluster.health_check_interval_s``: 0.2 s
+up to 100 workers by default) bounds how fast a death is seen.
 """
 
 from __future__ import annotations
