@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     bench_recovery.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config to train")
     bench_recovery.add_argument("overrides", nargs="*", help="dotted overrides, for example run.dir=/tmp/bench")
     bench_recovery.add_argument("--kill-after", type=int, default=12, help="kill a worker once this step is done")
+    bench_recovery.add_argument(
+        "--memory-every", type=int, default=1, help="the in-memory run's train.memory_checkpoint_every (0: skip it)"
+    )
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
     bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
@@ -168,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                 import tempfile
 
                 config.run.dir = tempfile.mkdtemp(prefix="rayllm-bench-recovery-")  # never resume a real run
-            print(bench_recovery.format_result(bench_recovery.run(config, args.kill_after)))
+            if args.memory_every:
+                runs = bench_recovery.compare(config, args.kill_after, args.memory_every)
+                print(bench_recovery.format_comparison(runs))
+            else:
+                print(bench_recovery.format_result(bench_recovery.run(config, args.kill_after)))
             return 0
         if args.command == "bench" and args.bench_command == "speed":
             from rayllm.bench import speed as bench_speed

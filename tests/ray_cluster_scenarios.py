@@ -69,6 +69,19 @@ def run_in_thread(config: TrainConfig) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
+def trained_ids(run_dir: str) -> list[list[int]]:
+    """Every sequence id the committed checkpoints record as trained on (data.record_ids), sorted."""
+    import glob
+
+    import numpy as np
+
+    ids = []
+    for marker in glob.glob(f"{run_dir}/checkpoint_[0-9]*/rayllm_commit.json"):
+        for path in glob.glob(f"{os.path.dirname(marker)}/consumed-rank*.npy"):
+            ids.extend([int(v) for v in row] for row in np.load(path))
+    return sorted(ids)
+
+
 def summary(run_dir: str, box: dict, **extra) -> dict:
     recs = records(run_dir)
     result = box.get("result")
@@ -79,6 +92,7 @@ def summary(run_dir: str, box: dict, **extra) -> dict:
         "loss": result.loss if result else None,
         "starts": [{"step": r["step"], "world_size": r["world_size"]} for r in recs if r["kind"] == "start"],
         "resizes": [r for r in recs if r["kind"] == "resize"],
+        "ids": trained_ids(run_dir),
         "train": [
             {"step": r["step"], "loss": r["loss"], "world_size": r["world_size"], "tokens": r["tokens"]}
             for r in recs
@@ -148,36 +162,70 @@ def scenario_faults(overrides, root, crash_at):
     return summary(run_dir, box, signalled=signalled, crashed=crash, killed=killed, preempted=preempted)
 
 
+def last_step(run_dir: str) -> int:
+    return max((r["step"] for r in records(run_dir) if r["kind"] == "train"), default=0)
+
+
+def trained_before(run_dir: str) -> list[int]:
+    """For each attempt's start, the last step any attempt had logged before it."""
+    last, out = 0, []
+    for r in records(run_dir):
+        if r["kind"] == "start":
+            out.append(last)
+        elif r["kind"] == "train":
+            last = max(last, r["step"])
+    return out
+
+
+def starts(run_dir: str) -> list[dict]:
+    return [r for r in records(run_dir) if r["kind"] == "start"]
+
+
 def scenario_elastic(overrides, root, cluster, nodes):
-    """2 workers; a node removed after step 9 (-> 1 worker); added back once the 1-worker group
-    has trained 3 steps (-> 2 at Ray Train's next resize check). The run waits before step
-    PAUSE_AT until the 2-worker group has started, so it cannot end before it grows back."""
+    """2 workers with in-memory checkpoints every step. A node removed after step 9 (-> 1 worker,
+    from the surviving node's copies in memory); added back once the 1-worker group has trained 3
+    steps (-> 2 at Ray Train's next resize check, from memory again); then, while that group waits
+    before step PAUSE_AT, both worker nodes removed at once and two fresh ones added: no keeper
+    holds a copy any more, so the run falls back to its stored checkpoint. The run waits before
+    PAUSE_AT until that last group has started, so it cannot end before."""
     run_dir = f"{root}/elastic"
     hold = f"{root}/elastic-hold"
     open(hold, "w").close()
     os.environ["RAYLLM_FAULT_PAUSE_AT"] = f"{PAUSE_AT}:{hold}"
     config = TrainConfig.from_yaml(
         "configs/tiny.yaml",
-        overrides=[*overrides, f"run.dir={run_dir}", "cluster.num_workers=[1, 2]", "cluster.resize_interval_s=2"],
+        overrides=[
+            *overrides,
+            f"run.dir={run_dir}",
+            "cluster.num_workers=[1, 2]",
+            "cluster.resize_interval_s=2",
+            "train.memory_checkpoint_every=1",
+        ],
     )
+    events = []
     try:
         thread, box = run_in_thread(config)
-        events = []
         if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and checkpoint_registered(run_dir)):
             cluster.remove_node(nodes.pop(), allow_graceful=False)
             events.append("removed")
             if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):
-                resumed_at = [r for r in records(run_dir) if r["kind"] == "start"][-1]["step"]
+                resumed_at = starts(run_dir)[-1]["step"]
                 wait_for(lambda: trained_past(run_dir, resumed_at + 3, world_size=1))
                 nodes.append(cluster.add_node(**WORKER_NODE))
                 events.append("added")
-                starts = lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "start"]  # noqa: E731
-                wait_for(lambda: starts()[-1] == 2 and 1 in starts())
+                # The grown group holds before PAUSE_AT: both its nodes go while it waits there.
+                if wait_for(lambda: len(starts(run_dir)) == 3 and starts(run_dir)[-1]["world_size"] == 2):
+                    for node in nodes:  # every copy of the in-memory checkpoints with them
+                        cluster.remove_node(node, allow_graceful=False)
+                    nodes[:] = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
+                    events.append("both replaced")
+                    wait_for(lambda: len(starts(run_dir)) == 4 and starts(run_dir)[-1]["world_size"] == 2)
     finally:
         os.remove(hold)
         del os.environ["RAYLLM_FAULT_PAUSE_AT"]
     thread.join()
-    return summary(run_dir, box, events=events)
+    resumed = [r.get("resumed_from") for r in starts(run_dir)]
+    return summary(run_dir, box, events=events, trained_before=trained_before(run_dir), resumed_from=resumed)
 
 
 def scenario_init_from(overrides, root):
@@ -218,6 +266,8 @@ def scenario_init_from(overrides, root):
 
 def main() -> None:
     args = json.loads(sys.argv[1])
+    # A SIGTERM (the test's timeout) ends this script through its finally: the cluster shut down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # A dashboard port of its own: the test session's local Ray already serves the default one,
     # and Ray Train's controller needs this cluster's dashboard (state API).
     head = {"num_cpus": 2, "dashboard_host": "127.0.0.1", "dashboard_port": args["dashboard_port"]}

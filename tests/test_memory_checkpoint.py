@@ -39,6 +39,12 @@ def test_keeper_files_behave_as_a_filesystem(mem_root):
     fs.rm(f"{root}/checkpoint_00000002", recursive=True)
     assert fs.ls(root, detail=False) == [f"{root}/checkpoint_00000006"]
     assert fs.usage(root) == 2
+    # Full URIs too (DCP's writer removes a stale .metadata by its URI when a step is saved again).
+    fs.pipe_file(f"{mem_root}/checkpoint_00000006/.metadata", b"old")
+    assert fs.exists(f"{mem_root}/checkpoint_00000006/.metadata")
+    fs.rm_file(f"{mem_root}/checkpoint_00000006/.metadata")
+    assert not fs.exists(f"{mem_root}/checkpoint_00000006/.metadata")
+    assert fs.usage(mem_root) == 2
 
 
 def test_dcp_saves_and_loads_through_the_keepers_from_another_process(mem_root, ray_local):
@@ -61,3 +67,26 @@ def test_dcp_saves_and_loads_through_the_keepers_from_another_process(mem_root, 
     loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
     dcp.load(loaded, storage_reader=FsspecReader(uri), no_dist=True)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+
+
+def test_the_driver_reports_in_memory_checkpoints_and_resumes_from_them(tmp_path):
+    """What the keepers hold goes on the progress line and to Aim; a resume says where it came from."""
+    import io
+
+    from rayllm import TrainConfig
+    from rayllm.trainer.monitor import RunMonitor
+
+    config = TrainConfig.from_yaml(
+        "configs/tiny.yaml", overrides=[f"run.dir={tmp_path}", "tracking.enabled=false", "train.max_steps=10"]
+    )
+    out = io.StringIO()
+    monitor = RunMonitor(config, out=out)
+    start = {"kind": "start", "step": 4, "world_size": 2, "params": 5e6, "flops_per_token": 1, "accum_steps": 1}
+    monitor.handle({**start, "resumed_from": "memory"})
+    monitor.handle({"kind": "memory_checkpoint", "step": 5, "stall_s": 0.01, "bytes": 3 * 2**20 // 2})
+    train = {"kind": "train", "step": 5, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1e4}
+    monitor.handle({**train, "step_time_s": 0.1, "mfu": 0.1})
+    monitor.close()
+    lines = out.getvalue().splitlines()
+    assert "resuming at step 4 (from the in-memory checkpoint) on 2 worker(s)" in lines[0], lines
+    assert lines[1].endswith("| in memory 1.5 MiB"), lines

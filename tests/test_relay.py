@@ -101,3 +101,13 @@ def test_a_lost_relay_or_server_is_a_data_stream_lost_naming_it(ray_local, victi
             pass
     for actor in [*relays, server]:
         ray.kill(actor)
+
+
+def test_a_nodes_worth_of_slices_per_object_only_when_nodes_hold_contiguous_equal_runs_of_ranks():
+    from rayllm.data.relay import slices_per_object
+
+    assert slices_per_object(["a", "a", "b", "b"], ranks_per_slice=1) == 2
+    assert slices_per_object(["a"] * 8 + ["b"] * 8, ranks_per_slice=2) == 4  # TP pairs share a slice
+    assert slices_per_object(["a", "b", "a", "b"], ranks_per_slice=1) == 1  # interleaved
+    assert slices_per_object(["a", "a", "a", "b"], ranks_per_slice=1) == 1  # uneven
+    assert slices_per_object(["a", "b"], ranks_per_slice=1) == 1  # one rank a node (several nodes on one IP)

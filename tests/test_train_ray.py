@@ -189,8 +189,8 @@ def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_befor
     hold.unlink()
     thread.join(timeout=300)
     result = box["result"]
-    starts = [r["step"] for r in result.history if r["kind"] == "start"]
-    assert starts == [0, 4], starts  # the stored checkpoint is step 3's: step 4 came from memory
+    starts = [(r["step"], r["resumed_from"]) for r in result.history if r["kind"] == "start"]
+    assert starts == [(0, None), (4, "memory")], starts  # the stored checkpoint is step 3's
     memory = [r for r in result.history if r["kind"] == "memory_checkpoint"]
     assert memory and all(r["bytes"] > 0 for r in memory)
     steps = losses(result)

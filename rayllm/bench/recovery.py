@@ -12,12 +12,17 @@ progress records (metrics.jsonl, stamped as they arrive) the report gives:
   checkpoint are trained again);
 - beside them, the same run's cold start (driver start -> first step), for scale.
 
+``compare`` runs it twice side by side: resuming from storage checkpoints only, then with
+in-memory checkpoints every ``memory_every`` steps (checkpoint/memory.py), which a kill should
+cost at most that many steps.
+
 How often Ray Train's controller polls the workers (``cluster.health_check_interval_s``: 0.2 s
 up to 100 workers by default) bounds how fast a death is seen.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -126,6 +131,40 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
         caught_up_s=caught_up["time"] - killed_at,
         step_time_s=sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
     )
+
+
+def compare(config: TrainConfig, kill_after: int = 10, memory_every: int = 1) -> list[tuple[str, Result]]:
+    """The same kill twice, each run in a folder of its own under run.dir: storage checkpoints
+    only, then with in-memory checkpoints every ``memory_every`` steps as well."""
+    runs = []
+    for label, every in [("storage only", None), (f"in memory every {memory_every}", memory_every)]:
+        each = copy.deepcopy(config)
+        each.run.dir = f"{config.run.dir.rstrip('/')}/{'memory' if every else 'storage'}"
+        each.train.memory_checkpoint_every = every
+        runs.append((label, run(each, kill_after)))
+    return runs
+
+
+def format_comparison(runs: list[tuple[str, Result]]) -> str:
+    first = runs[0][1]
+    rows = [
+        ("resumed from step", lambda r: f"{r.resumed_from_step:d}"),
+        ("steps lost (trained again)", lambda r: f"{r.killed_after_step - r.resumed_from_step:d}"),
+        ("kill -> restarted, restored", lambda r: f"{r.restart_s:.1f} s"),
+        ("kill -> next completed step", lambda r: f"{r.next_step_s:.1f} s"),
+        ("kill -> past the killed step", lambda r: f"{r.caught_up_s:.1f} s"),
+        ("cold start -> first step", lambda r: f"{r.cold_start_s:.1f} s"),
+        ("one step (median)", lambda r: f"{r.step_time_s:.2f} s"),
+    ]
+    width = max(len(label) for label, _ in runs) + 2
+    lines = [
+        f"recovery from a SIGKILLed training worker ({first.world_size} workers, killed after step "
+        f"{first.killed_after_step})",
+        " " * 32 + "".join(f"{label:>{width}}" for label, _ in runs),
+    ]
+    for name, cell in rows:
+        lines.append(f"  {name:<30}" + "".join(f"{cell(r):>{width}}" for _, r in runs))
+    return "\n".join(lines)
 
 
 def format_result(r: Result) -> str:

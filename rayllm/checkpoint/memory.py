@@ -127,7 +127,7 @@ class KeeperFileSystem(AbstractFileSystem):
     def _registry(self, path: str):
         import ray
 
-        name = path.split("/", 1)[0]
+        name = self._strip_protocol(path).split("/", 1)[0]
         if name not in self._registries:
             self._registries[name] = ray.get_actor(name)
         return self._registries[name]
@@ -233,7 +233,8 @@ class KeeperFileSystem(AbstractFileSystem):
 
     def rm(self, path, recursive: bool = False, maxdepth=None) -> None:
         for p in [path] if isinstance(path, str) else path:
-            self._each(p, "rm", self._strip_protocol(p))
+            p = self._strip_protocol(p)
+            self._each(p, "rm", p)
 
     def rm_file(self, path: str) -> None:
         self.rm(path)

@@ -116,6 +116,18 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
+    """How many data slices the server puts in one object: a node's worth when every node holds
+    the same number of ranks in one contiguous run (``nodes``: each rank's node id), else 1.
+    Counted from node ids, not Ray Train's local world size: that groups workers by IP address,
+    and several nodes may share one (simulated clusters, hosts behind one address)."""
+    per_node = nodes.count(nodes[0])
+    contiguous = all(nodes[r] == nodes[r - r % per_node] for r in range(len(nodes)))
+    if not contiguous or len(nodes) % per_node:
+        return 1
+    return max(1, per_node // ranks_per_slice)
+
+
 def start_relay(server, server_name: str, *, local_ranks: int, world_size: int):
     """This node's relay: created by the first of its ranks to ask, found by the others."""
     import ray

@@ -56,6 +56,7 @@ class Checkpointer:
         self.pending: PendingCheckpoint | None = None
         self._writer: checkpoint.AsyncWriter | None = None
         self.last_at = time.monotonic()
+        self.committed_step: int | None = None  # of the latest stored checkpoint committed
         self.memory: checkpoint.CheckpointStore | None = None
         if session.memory_root:
             memory.register()
@@ -71,15 +72,16 @@ class Checkpointer:
         return self.store.latest()
 
     def newest(self) -> str | None:
-        """Collective: where to resume: the newest in-memory checkpoint when it is newer than the
-        latest stored one and whole on the surviving nodes, else the latest stored one. Rank 0
-        decides for all: the keepers' answers may change while ranks ask."""
+        """Collective: where to resume: the newest in-memory checkpoint when it is at least as new
+        as the latest stored one and whole on the surviving nodes (the object store is read
+        faster than storage), else the latest stored one. Rank 0 decides for all: the keepers'
+        answers may change while ranks ask."""
         choice = [None]
         if self.session.rank == 0:
             stored = self.store.complete_steps()
             choice[0] = self.store.latest()
             for step in reversed(self.memory.complete_steps() if self.memory else []):
-                if stored and step <= stored[-1]:
+                if stored and step < stored[-1]:
                     break
                 if memory.whole(self.memory.uri(step)):
                     choice[0] = self.memory.uri(step)
@@ -106,7 +108,7 @@ class Checkpointer:
                 path = posixpath.join(folder, name.format(old))
                 if self.memory.fs.exists(path):
                     found.append(np.load(io.BytesIO(self.memory.fs.cat_file(path))))
-        return found
+        return [ids for ids in found if len(ids)]  # an empty record has no fields to join with the rest
 
     def restore(self, uri: str, model, optimizer) -> dict[str, Any]:
         """Collective: model and optimizer from the complete checkpoint ``uri``; returns its state."""
@@ -188,6 +190,7 @@ class Checkpointer:
         if self.pending is ckpt:
             self.pending = None
         self.last_at = time.monotonic()
+        self.committed_step = ckpt.step
         if rank == 0:
             self._tidier.submit(self._tidy, ckpt.step)
             self.session.emit({"kind": "checkpoint", "step": ckpt.step, "stall_s": ckpt.stall_s, "final": ckpt.final})

@@ -132,6 +132,7 @@ class Trainer:
         self.checkpointer: Checkpointer | None = None
         self.stopped = False  # ended early on a stop request, with a checkpoint
         self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
+        self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -143,6 +144,7 @@ class Trainer:
                 hf_import.load(self.model, uri, self.config.data.storage)
             return
         state = self.checkpointer.restore(uri, self.model, self.optimizer)
+        self.resumed_from = "memory" if self.checkpointer.is_memory(uri) else "storage"
         self.step, self.consumed = state["step"], state["consumed"]
         self.data_state = DataState.from_dict(state.get("data"))
         counts = state.get("source_counts") or []
@@ -178,7 +180,7 @@ class Trainer:
             # checkpoint holds them too, and those of a stored one not yet committed, for the
             # stored one after a resume from it.
             ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
-            self._consumed_ids = [ids] if in_memory else []
+            self._consumed_ids = [ids] if in_memory and len(ids) else []  # (an empty one has no fields)
         pending = PendingCheckpoint(self.step, state, dict(metrics), ids, final=final)
         if in_memory:
             uncommitted = self.checkpointer.pending
@@ -296,6 +298,7 @@ class Trainer:
             flops_per_token=fpt,
             peak_flops=peak_flops,
             restarts=self.restarts,
+            resumed_from=self.resumed_from,
             accum_steps=self.accum,
             layout=self.layout.describe(),
             nodes=all_nodes(node),
@@ -328,7 +331,10 @@ class Trainer:
             if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
                 with watchdog.slow():
                     self._checkpoint(metrics, final=last)
-            elif self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0 and not self.nonfinite_in_row:
+            # In memory too when due, unless a stored checkpoint of this step is already committed:
+            # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
+            memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
+            if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
                 with watchdog.slow():
                     self._checkpoint(metrics, final=False, in_memory=True)
             if preempted is not None:

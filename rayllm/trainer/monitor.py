@@ -70,6 +70,7 @@ class RunMonitor:
         self.kept: list[str] = []  # milestone checkpoints copied to run.dir/kept/
         self.world_size: int | None = None  # of the latest attempt, to log resizes
         self.nodes: list[str] = []  # of the latest attempt, per rank
+        self.memory_bytes: int | None = None  # the keepers' latest in-memory checkpoint, both copies
         self.stragglers = Stragglers(config.train.straggler_factor, config.train.straggler_windows)
         self._local_log = None
         # On object storage, which cannot append, metrics.jsonl is rewritten whole: the earlier
@@ -118,8 +119,9 @@ class RunMonitor:
                 }
             )
             verb = "resuming at step" if step else "starting at step"
+            source = " (from the in-memory checkpoint)" if record.get("resumed_from") == "memory" else ""
             self.say(
-                f"[rayllm] {verb} {step} on {record['world_size']} worker(s), "
+                f"[rayllm] {verb} {step}{source} on {record['world_size']} worker(s), "
                 f"{record['params'] / 1e6:.1f}M parameters, {record['accum_steps']} micro-batch(es) per worker "
                 f"per step"
             )
@@ -130,6 +132,10 @@ class RunMonitor:
             )
         elif kind == "checkpoint":
             self.tracker.log_metrics({"checkpoint_stall_s": record["stall_s"]}, step, "train")
+        elif kind == "memory_checkpoint":
+            self.memory_bytes = record["bytes"]
+            held = {"memory_checkpoint_stall_s": record["stall_s"], "memory_checkpoint_bytes": record["bytes"]}
+            self.tracker.log_metrics(held, step, "train")
         elif kind == "failure":
             where = f" on node {record['node']}" if record.get("node") else ""
             then = "the run ends" if record.get("final") else "restarting from the latest checkpoint"
@@ -171,10 +177,11 @@ class RunMonitor:
                 f" | straggler: rank {s['rank']} on node {s['node']} ({s['x_median']:.1f}x the median step)"
                 for s in record.get("stragglers") or []
             )
+            held = f" | in memory {self.memory_bytes / 2**20:,.1f} MiB" if self.memory_bytes is not None else ""
             self.say(
                 f"[rayllm] step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}{slow}"
+                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}{held}{slow}"
             )
         elif kind == "val":
             self.val_loss = record["val_loss"]

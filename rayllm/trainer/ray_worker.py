@@ -13,7 +13,7 @@ from rayllm.checkpoint import checkpoint_name
 from rayllm.checkpoint.memory import memory_uri
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
-from rayllm.data.relay import served_batches, start_relay
+from rayllm.data.relay import served_batches, slices_per_object, start_relay
 from rayllm.data.serve import start_server
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
@@ -63,6 +63,10 @@ class RaySession:
         import ray
         import torch.distributed as dist
 
+        node = ray.get_runtime_context().get_node_id()
+        nodes = [node] * self.world_size  # each rank's node, by id
+        if self.world_size > 1:
+            dist.all_gather_object(nodes, node)
         name = [f"rayllm-stream-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         if self.rank == 0:
             self._server = start_server(
@@ -72,14 +76,14 @@ class RaySession:
                 global_batch=self.config.train.global_batch_size,
                 data_slices=self.world_size // ranks_per_slice,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
-                slices_per_object=max(1, self.local_world_size // ranks_per_slice),
+                slices_per_object=slices_per_object(nodes, ranks_per_slice),
                 tokenize_tasks=self.config.data.tokenize_tasks,
                 name=name[0],
             )
         if self.world_size > 1:
             dist.broadcast_object_list(name, src=0)
         server = self._server if self.rank == 0 else ray.get_actor(name[0])
-        self._relay = start_relay(server, name[0], local_ranks=self.local_world_size, world_size=self.world_size)
+        self._relay = start_relay(server, name[0], local_ranks=nodes.count(node), world_size=self.world_size)
         return served_batches(self._relay, self.rank, self.config.data.wait_timeout_s)
 
     def validation_batches(self) -> list:
