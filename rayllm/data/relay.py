@@ -137,7 +137,7 @@ def start_relay(server, server_name: str, *, local_ranks: int, world_size: int):
     return (
         ray.remote(NodeRelay)
         .options(
-            name=f"{server_name}-relay-{node[:16]}",
+            name=f"{server_name}-relay-{node}",  # the whole id: simulated nodes share long prefixes
             get_if_exists=True,  # race-free: Ray creates one and hands it to every asker
             num_cpus=0,
             max_concurrency=1_000,  # waiting ranks are coroutines, not threads
