@@ -46,6 +46,11 @@ class Result:
     caught_up_s: float
     step_time_s: float
 
+    @property
+    def steps_lost(self) -> int:
+        """Steps trained again: from the checkpoint resumed to the killed step."""
+        return self.killed_after_step - self.resumed_from_step
+
 
 def _records(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -149,7 +154,7 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
     first = runs[0][1]
     rows = [
         ("resumed from step", lambda r: f"{r.resumed_from_step:d}"),
-        ("steps lost (trained again)", lambda r: f"{r.killed_after_step - r.resumed_from_step:d}"),
+        ("steps lost (trained again)", lambda r: f"{r.steps_lost:d}"),
         ("kill -> restarted, restored", lambda r: f"{r.restart_s:.1f} s"),
         ("kill -> next completed step", lambda r: f"{r.next_step_s:.1f} s"),
         ("kill -> past the killed step", lambda r: f"{r.caught_up_s:.1f} s"),
@@ -168,7 +173,7 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
 
 
 def format_result(r: Result) -> str:
-    redone = r.killed_after_step - r.resumed_from_step
+    redone = r.steps_lost
     return "\n".join(
         [
             f"recovery from a SIGKILLed training worker ({r.world_size} workers, killed after step "
