@@ -1,7 +1,8 @@
 """Node relays between the stream server and the ranks (rayllm/data/relay.py), on a real local
 Ray: every rank gets exactly its slice of every step through its node's relay, the server
 answers relays (one call per node per batch of ready steps), never ranks, and a relay's or the
-server's loss is a ``DataStreamLost`` naming which one died."""
+server's loss is a ``DataStreamLost`` naming which one died. The server outlives attempts: a
+new attempt that begins among the steps it kept is served from its running stream."""
 
 from __future__ import annotations
 
@@ -19,27 +20,33 @@ def numbered_server():
     from rayllm.data.serve import StreamServer
 
     class Numbered(StreamServer):
-        def _stream(self, plan, state, consumed, global_batch, tokenize_tasks):
-            for step in range(STEPS):
+        opened = 0  # times the sources were (re)started
+
+        def _stream(self, state, consumed):
+            self.opened += 1
+            for step in range(consumed // G, STEPS):
                 yield np.arange(step * G, (step + 1) * G), DataState()
 
-        async def published(self) -> int:
-            return self._published
+        async def counts(self) -> tuple[int, int]:
+            return self.opened, self._production.published
 
     return Numbered
 
 
-def start(ray):
+def start(ray, keep_behind: int = 0, depth: int = 4):
+    server = (
+        ray.remote(numbered_server()).options(num_cpus=0, max_concurrency=100).remote(None, G, 0, keep_behind, depth)
+    )
+    return server, begin(ray, server, attempt=1, consumed=0)
+
+
+def begin(ray, server, attempt: int, consumed: int, world: int = WORLD) -> list:
+    """The attempt's relays, once the server has begun it at ``consumed`` sequences."""
     from rayllm.data.relay import NodeRelay
 
-    server = (
-        ray.remote(numbered_server())
-        .options(num_cpus=0, max_concurrency=100)
-        .remote(None, {}, 0, G, WORLD, PER_NODE, 0, 4)
-    )
+    ray.get(server.begin.remote(attempt, {}, consumed, world, world, PER_NODE), timeout=60)
     relay = ray.remote(NodeRelay).options(num_cpus=0, max_concurrency=100)
-    relays = [relay.remote(server, f"node-{n}", PER_NODE, WORLD) for n in range(WORLD // PER_NODE)]
-    return server, relays
+    return [relay.remote(server, attempt, f"node-{n}", PER_NODE) for n in range(world // PER_NODE)]
 
 
 def take(batches: dict, steps: int) -> dict[int, list]:
@@ -59,23 +66,26 @@ def take(batches: dict, steps: int) -> dict[int, list]:
     return got
 
 
-def open_ranks(relays) -> dict:
+def open_ranks(relays, world: int = WORLD) -> dict:
     from rayllm.data.relay import served_batches
 
-    return {rank: served_batches(relays[rank // PER_NODE], rank, timeout_s=30) for rank in range(WORLD)}
+    return {rank: served_batches(relays[rank // PER_NODE], rank, timeout_s=30) for rank in range(world)}
+
+
+def expected_slices(rank: int, first_step: int, steps: int, world: int = WORLD) -> list:
+    from rayllm.data.order import rank_slice
+
+    return [rank_slice(np.arange(s * G, (s + 1) * G), rank, world) for s in range(first_step, first_step + steps)]
 
 
 def test_every_rank_gets_its_slice_of_every_step_through_its_nodes_relay(ray_local):
     import ray
 
-    from rayllm.data.order import rank_slice
-
     server, relays = start(ray)
     got = take(open_ranks(relays), 10**9)
     for rank in range(WORLD):
-        expected = [rank_slice(np.arange(s * G, (s + 1) * G), rank, WORLD) for s in range(STEPS)]
         assert len(got[rank]) == STEPS
-        for step, (rows, want) in enumerate(zip(got[rank], expected, strict=True)):
+        for step, (rows, want) in enumerate(zip(got[rank], expected_slices(rank, 0, STEPS), strict=True)):
             assert np.array_equal(rows, want), (rank, step)
     calls = [ray.get(r.counters.remote())["server_calls"] for r in relays]
     # One call per node per batch of ready steps: never more than a node's steps (plus the end),
@@ -100,6 +110,48 @@ def test_a_lost_relay_or_server_is_a_data_stream_lost_naming_it(ray_local, victi
         for _ in batches[0]:  # what its relay holds already, then the loss
             pass
     for actor in [*relays, server]:
+        ray.kill(actor)
+
+
+def test_a_new_attempt_among_the_kept_steps_is_served_from_the_running_stream(ray_local):
+    """Attempt 1 takes 12 steps (its ranks prefetch more); attempt 2 begins at step 10, kept behind
+    the slowest rank: served from the stream already running. Attempt 1's relays are refused."""
+    import ray
+
+    from rayllm.data.serve import DataStreamLost
+
+    server, relays = start(ray, keep_behind=6)
+    first = open_ranks(relays)
+    take(first, 12)
+    assert ray.get(server.begin.remote(2, {}, 10 * G, WORLD, WORLD, PER_NODE), timeout=60) is True
+    with pytest.raises(ray.exceptions.RayTaskError, match="taken over by attempt 2") as stale:
+        ray.get(server.steps.remote(1, "node-0", [0, 1], 12, 12), timeout=60)  # attempt 1's relay asks
+    assert isinstance(stale.value.cause, DataStreamLost)
+    second = begin(ray, server, attempt=3, consumed=10 * G)  # kept again: still among the kept steps
+    got = take(open_ranks(second), 5)
+    for rank in range(WORLD):
+        assert all(np.array_equal(a, b) for a, b in zip(got[rank], expected_slices(rank, 10, 5), strict=True))
+    assert ray.get(server.counts.remote())[0] == 1  # the sources never restarted
+    for actor in [*relays, *second, server]:
+        ray.kill(actor)
+
+
+def test_a_new_attempt_elsewhere_or_on_another_layout_restarts_the_sources_at_its_step(ray_local):
+    import ray
+
+    server, relays = start(ray, keep_behind=2)
+    take(open_ranks(relays), 20)
+    # Step 3 was dropped long ago (only 2 are kept behind the slowest rank): restarted there.
+    again = begin(ray, server, attempt=2, consumed=3 * G)
+    got = take(open_ranks(again), 4)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 3, 4), strict=True))
+    assert ray.get(server.counts.remote())[0] == 2
+    # Half the ranks: other objects, so the stream restarts even at a kept step.
+    smaller = begin(ray, server, attempt=3, consumed=5 * G, world=WORLD // 2)
+    got = take(open_ranks(smaller, world=WORLD // 2), 3)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 5, 3, WORLD // 2), strict=True))
+    assert ray.get(server.counts.remote())[0] == 3
+    for actor in [*relays, *again, *smaller, server]:
         ray.kill(actor)
 
 

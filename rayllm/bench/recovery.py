@@ -45,6 +45,8 @@ class Result:
     next_step_s: float
     caught_up_s: float
     step_time_s: float
+    # Seconds from the kill to each stage of the new attempt's start-up (rank 0's clock).
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def steps_lost(self) -> int:
@@ -126,6 +128,9 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
     caught_up = next(r for r in steps_after if r["step"] > killed_step)
     first = next(r for r in records if r["kind"] == "first_step")
     step_times = [r["step_time_s"] for r in before if r["kind"] == "train"][1:]
+    first_after = next(r for r in after if r["kind"] == "first_step")
+    marks = {**restart.get("phases", {}), "started": restart["time"], "batch": first_after.get("batch_at")}
+    stages = {name: marks[key] - killed_at for key, name in STAGES.items() if marks.get(key) is not None}
     return Result(
         world_size=restart["world_size"],
         killed_after_step=killed_step,
@@ -135,7 +140,19 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
         next_step_s=steps_after[0]["time"] - killed_at,
         caught_up_s=caught_up["time"] - killed_at,
         step_time_s=sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
+        stages=stages,
     )
+
+
+# The new attempt's start-up, in order: record key -> row label.
+STAGES = {
+    "process": "new worker process",
+    "loop": "train loop entered",
+    "built": "model and optimizer built",
+    "restored": "checkpoint restored",
+    "started": "started (peak measured)",
+    "batch": "first batch in hand",
+}
 
 
 def compare(config: TrainConfig, kill_after: int = 10, memory_every: int = 1) -> list[tuple[str, Result]]:
@@ -155,7 +172,7 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
     rows = [
         ("resumed from step", lambda r: f"{r.resumed_from_step:d}"),
         ("steps lost (trained again)", lambda r: f"{r.steps_lost:d}"),
-        ("kill -> restarted, restored", lambda r: f"{r.restart_s:.1f} s"),
+        *[(f"kill -> {name}", _stage(name)) for name in STAGES.values()],
         ("kill -> next completed step", lambda r: f"{r.next_step_s:.1f} s"),
         ("kill -> past the killed step", lambda r: f"{r.caught_up_s:.1f} s"),
         ("cold start -> first step", lambda r: f"{r.cold_start_s:.1f} s"),
@@ -165,11 +182,15 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
     lines = [
         f"recovery from a SIGKILLed training worker ({first.world_size} workers, killed after step "
         f"{first.killed_after_step})",
-        " " * 32 + "".join(f"{label:>{width}}" for label, _ in runs),
+        " " * 40 + "".join(f"{label:>{width}}" for label, _ in runs),
     ]
     for name, cell in rows:
-        lines.append(f"  {name:<30}" + "".join(f"{cell(r):>{width}}" for _, r in runs))
+        lines.append(f"  {name:<38}" + "".join(f"{cell(r):>{width}}" for _, r in runs))
     return "\n".join(lines)
+
+
+def _stage(name: str):
+    return lambda r: f"{r.stages[name]:.1f} s" if name in r.stages else "-"
 
 
 def format_result(r: Result) -> str:

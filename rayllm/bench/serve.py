@@ -120,11 +120,11 @@ def _object_store_server():
     from rayllm.data.serve import StreamServer
 
     class BenchStreamServer(StreamServer):
-        def _stream(self, plan, state, consumed, global_batch, parallelism):
-            return _stream(plan, global_batch, parallelism)
+        def _stream(self, state, consumed):
+            return _stream(self._plan, self._global_batch, self._tokenize_tasks)
 
         async def counters(self) -> tuple[float, int]:
-            return time.process_time(), self._published
+            return time.process_time(), self._production.published
 
     return BenchStreamServer
 
@@ -141,7 +141,7 @@ class Consumer:
         relays = {}
         for rank in ranks:
             if rank // group not in relays:
-                relays[rank // group] = NodeRelay(server, f"node-{rank // group}", min(group, world - rank), world)
+                relays[rank // group] = NodeRelay(server, 1, f"node-{rank // group}", min(group, world - rank))
         waits: list[float] = []
         tokens = 0
         warm = asyncio.Event()
@@ -210,8 +210,9 @@ def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers:
         server = (
             ray.remote(_object_store_server())
             .options(num_cpus=0, max_concurrency=10_000)
-            .remote(plan, DataState().to_dict(), 0, global_batch, world, per_node, parallelism, SERVER_DEPTH)
+            .remote(plan, global_batch, parallelism, 0, SERVER_DEPTH)
         )
+        ray.get(server.begin.remote(1, DataState().to_dict(), 0, world, world, per_node), timeout=120)
     # Whole nodes per consumer process, as a node's ranks share its relay.
     nodes = [list(range(n, min(world, n + per_node))) for n in range(0, world, per_node)]
     actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, len(nodes)))]

@@ -7,9 +7,9 @@ objects holding its ranks' rows of every ready step, and answers each rank from 
 server then sees one client per node (125 at 1,000 GPUs of 8 per node), and the relay holds
 each step's references until every rank of its node has taken the step.
 
-A relay is a Ray actor named after the attempt's server and its node, created by whichever of
-the node's ranks asks first (``get_if_exists``), on that node, and it dies with that rank (its
-owner) or when the attempt ends. Its loss, or the server's, is a ``DataStreamLost``: the attempt
+A relay is a Ray actor named after the run's server, the attempt and its node, created by
+whichever of the node's ranks asks first (``get_if_exists``), on that node, and it dies with
+that rank (its owner) or when the attempt ends. Its loss, or the server's, is a ``DataStreamLost``: the attempt
 restarts from the latest checkpoint, as for any worker's loss.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rayllm.data.order import DataState
-from rayllm.data.serve import END, REPLY_WAIT_S, DataStreamLost
+from rayllm.data.serve import END, REPLY_WAIT_S, RESTART, DataStreamLost
 
 SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's call to it is given up
 
@@ -29,9 +29,9 @@ SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's 
 class NodeRelay:
     """Answers a node's ranks from one call to the server per batch of ready steps."""
 
-    def __init__(self, server, key: str, local_ranks: int, world_size: int):
-        self._server, self._key = server, key
-        self._local_ranks, self._world = local_ranks, world_size
+    def __init__(self, server, attempt: int, key: str, local_ranks: int):
+        self._server, self._attempt, self._key = server, attempt, key
+        self._local_ranks = local_ranks
         self._held: dict[int, int] = {}  # rank -> steps it has taken
         self._steps: dict[int, tuple[list, dict]] = {}  # step -> (this node's objects, data state after it)
         self._layout: dict[int, tuple[int, int, int]] = {}  # rank -> (object, lo, hi)
@@ -84,7 +84,7 @@ class NodeRelay:
         taken = min(self._held.values())
         try:
             self.server_calls += 1
-            call = self._server.steps.remote(self._key, sorted(self._held), self._world, self._fetched, taken)
+            call = self._server.steps.remote(self._attempt, self._key, sorted(self._held), self._fetched, taken)
             reply = await asyncio.wait_for(call, timeout=REPLY_WAIT_S + SERVER_GRACE_S)
             if reply == END:
                 self._end = True
@@ -108,9 +108,6 @@ class NodeRelay:
         return {"server_calls": self.server_calls, "fetched": self._fetched}
 
 
-RESTART = "restarting from the latest checkpoint"
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -128,8 +125,8 @@ def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
     return max(1, per_node // ranks_per_slice)
 
 
-def start_relay(server, server_name: str, *, local_ranks: int, world_size: int):
-    """This node's relay: created by the first of its ranks to ask, found by the others."""
+def start_relay(server, server_name: str, *, attempt: int, local_ranks: int):
+    """This node's relay for ``attempt``: created by the first of its ranks to ask, found by the others."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -137,13 +134,13 @@ def start_relay(server, server_name: str, *, local_ranks: int, world_size: int):
     return (
         ray.remote(NodeRelay)
         .options(
-            name=f"{server_name}-relay-{node}",  # the whole id: simulated nodes share long prefixes
+            name=f"{server_name}-{attempt}-relay-{node}",  # the whole id: simulated nodes share long prefixes
             get_if_exists=True,  # race-free: Ray creates one and hands it to every asker
             num_cpus=0,
             max_concurrency=1_000,  # waiting ranks are coroutines, not threads
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )
-        .remote(server, f"{server_name}/{node}", local_ranks, world_size)
+        .remote(server, attempt, f"{server_name}/{node}", local_ranks)
     )
 
 

@@ -48,10 +48,14 @@ class PendingCheckpoint:
 
 class Checkpointer:
     """Checkpoints of one rank. ``group`` is a gloo group of the checkpointer's own: the async
-    writer's collectives run in a background thread and must not interleave with the loop's."""
+    writer's collectives run in a background thread and must not interleave with the loop's.
+    ``loop_group`` is a gloo group used only from the loop's thread (in-memory saves run while
+    a stored one may still be writing: a barrier on ``group`` then met the writer's all-gather
+    on the other rank, and both waited for ever)."""
 
-    def __init__(self, config: TrainConfig, session, device: torch.device, group=None):
+    def __init__(self, config: TrainConfig, session, device: torch.device, group=None, loop_group=None):
         self.config, self.session, self.device, self.group = config, session, device, group
+        self.loop_group = loop_group
         self.store = checkpoint.CheckpointStore(config.run.dir, config.data.storage)
         self.pending: PendingCheckpoint | None = None
         self._writer: checkpoint.AsyncWriter | None = None
@@ -147,7 +151,7 @@ class Checkpointer:
         _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
         _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
         if dist.is_initialized() and world > 1:
-            dist.barrier(group=self.group)  # every rank's part is held
+            dist.barrier(group=self.loop_group)  # every rank's part is held
         if rank == 0:
             self.memory.mark_complete(step, world)
             self.memory.prune(1, written_before=step)

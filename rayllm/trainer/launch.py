@@ -21,6 +21,7 @@ from rayllm.checkpoint.memory import start_registry
 from rayllm.config import StorageSettings, TrainConfig
 from rayllm.data.order import first_batches
 from rayllm.data.plan import prepare_data
+from rayllm.data.serve import start_server
 from rayllm.errors import RayllmError
 from rayllm.parallel.layout import usable_world_sizes
 from rayllm.ray_runtime import connect_ray, wait_for_room, worker_bundle
@@ -128,6 +129,28 @@ def _signal_hook_env() -> dict[str, str]:
     return {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WORKER_SETUP_HOOK}
 
 
+def _start_stream(config: TrainConfig, plans, here) -> tuple[Any, str]:
+    """The run's data stream server (serve.py) and its name: the driver owns it, so a restart
+    after a lost worker finds the stream running and resumes from it when the checkpoint's step is
+    among those it kept: the steps back to the latest checkpoint and the ranks' prefetch."""
+    t = config.train
+    name = f"rayllm-stream-{uuid.uuid4().hex[:12]}"
+    keep_behind = max(t.checkpoint_every, 2 * (t.memory_checkpoint_every or 0)) + PREFETCHED_STEPS
+    server = start_server(
+        plans.train,
+        global_batch=t.global_batch_size,
+        tokenize_tasks=config.data.tokenize_tasks,
+        keep_behind=keep_behind,
+        name=name,
+        here=here,
+    )
+    return server, name
+
+
+# Steps a rank may hold beyond the one it trains: its prefetch queue and the one being put in it.
+PREFETCHED_STEPS = 4
+
+
 def _stop_requested(name: str, control) -> None:
     """The driver's first SIGTERM/SIGINT: every rank checkpoints at the next step, then the run ends."""
     print(f"[rayllm] {name}: saving a checkpoint at the next step, then stopping", flush=True)
@@ -167,6 +190,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
     sealed = config.data.storage.sealed()
     plans = plans.with_storage(sealed)
+    stream = _start_stream(config, plans, here)
     storage_path, name, fs = _storage(config, sealed)
     lo, hi = config.worker_range
     t = config.train
@@ -180,6 +204,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
             "plans": plans,
             "control": control,
             "keepers": keepers,
+            "stream": stream,
             # Validation is tokenized once per run, here, not once per rank.
             "validation": ray.put(first_batches(plans.val, t.val_batches, t.global_batch_size) if plans.val else []),
         },
@@ -238,6 +263,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         try:
             records.shutdown()
             ray.kill(control)
+            ray.kill(stream[0])
             if registry is not None:
                 ray.kill(registry)  # and the keepers it owns, with every in-memory checkpoint
         except Exception:

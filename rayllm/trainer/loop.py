@@ -279,8 +279,11 @@ class Trainer:
         # Collectives, every rank here: the control flags' group, then the background writer's.
         groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
         self._control_group, checkpoint_group = groups
-        self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group)
+        self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group, self._control_group)
+        phases = getattr(session, "phases", {})
+        phases["built"] = time.time()
         self.restore()
+        phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
         if self.step >= end:
             self._emit("done", **{"step": self.step, **self.last_metrics})
@@ -302,6 +305,7 @@ class Trainer:
             accum_steps=self.accum,
             layout=self.layout.describe(),
             nodes=all_nodes(node),
+            phases=phases,
         )
         batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
@@ -365,12 +369,13 @@ class Trainer:
         with window.waiting():
             faults.maybe_slow_data(self.session.rank)
             rows, data_state = next(batches)
+        batch_at = time.time()
         loss, grad_norm = self.train_step(rows)
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
             self._emit("skipped", step=self.step, shards=skipped)
         self.data_state = data_state
         if first:
-            self._emit("first_step", step=self.step)
+            self._emit("first_step", step=self.step, batch_at=batch_at)
         if self.nonfinite_in_row:
             self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
             if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:

@@ -14,7 +14,7 @@ from rayllm.checkpoint.memory import memory_uri
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.relay import served_batches, slices_per_object, start_relay
-from rayllm.data.serve import start_server
+from rayllm.data.serve import RESTART, DataStreamLost
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
@@ -22,7 +22,7 @@ from rayllm.trainer.signals import WORKER
 
 
 class RaySession:
-    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None, keepers=None):
+    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None, keepers=None, stream=None):
         import ray
         import ray.train
 
@@ -34,7 +34,7 @@ class RaySession:
         self._queue = queue  # progress from rank 0; failures from any rank
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
-        self._server = None
+        self._stream = stream  # (the run's stream server, its name)
         self._relay = None
         self._validation = validation  # an object ref: the validation batches
         self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
@@ -47,6 +47,8 @@ class RaySession:
         # The driver's registry of in-memory checkpoint keepers (checkpoint/memory.py), if any.
         self.memory_root = memory_uri(keepers, "run") if keepers else None
         self._preemption_context = _preemption_context()
+        # Wall-clock times of this attempt's start-up, for ``rayllm bench recovery``'s breakdown.
+        self.phases = {"process": _process_started(), "loop": time.time()}
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -56,10 +58,9 @@ class RaySession:
             self.device = torch.device("cpu")
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
-        """Rank 0 starts this attempt's stream server; every rank pulls its slices through its
-        node's relay (relay.py), which the node's first rank to ask starts."""
-        import uuid
-
+        """Rank 0 tells the run's stream server (the driver's, serve.py) where this attempt begins;
+        every rank pulls its slices through its node's relay (relay.py), which the node's first
+        rank to ask starts."""
         import ray
         import torch.distributed as dist
 
@@ -67,23 +68,23 @@ class RaySession:
         nodes = [node] * self.world_size  # each rank's node, by id
         if self.world_size > 1:
             dist.all_gather_object(nodes, node)
-        name = [f"rayllm-stream-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
+        server, name = self._stream
+        kept = [None]
         if self.rank == 0:
-            self._server = start_server(
-                self.train_plan,
-                state,
-                consumed=consumed,
-                global_batch=self.config.train.global_batch_size,
-                data_slices=self.world_size // ranks_per_slice,
+            begin = server.begin.remote(
+                self.attempt,
+                state.to_dict(),
+                consumed,
+                self.world_size,
+                self.world_size // ranks_per_slice,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
-                slices_per_object=slices_per_object(nodes, ranks_per_slice),
-                tokenize_tasks=self.config.data.tokenize_tasks,
-                name=name[0],
+                slices_per_object(nodes, ranks_per_slice),
             )
+            kept[0] = _begin_stream(begin, self.config.data.wait_timeout_s)
+            self.phases["stream_kept"] = kept[0]
         if self.world_size > 1:
-            dist.broadcast_object_list(name, src=0)
-        server = self._server if self.rank == 0 else ray.get_actor(name[0])
-        self._relay = start_relay(server, name[0], local_ranks=nodes.count(node), world_size=self.world_size)
+            dist.broadcast_object_list(kept, src=0)  # no rank asks before the server has begun
+        self._relay = start_relay(server, name, attempt=self.attempt, local_ranks=nodes.count(node))
         return served_batches(self._relay, self.rank, self.config.data.wait_timeout_s)
 
     def validation_batches(self) -> list:
@@ -95,13 +96,12 @@ class RaySession:
     def close(self) -> None:
         import ray
 
-        for actor in (self._relay, self._server):  # each rank kills its node's relay; the first to do so wins
-            if actor is not None:
-                try:
-                    ray.kill(actor)
-                except Exception:  # already gone
-                    pass
-        self._relay = self._server = None
+        if self._relay is not None:  # each rank kills its node's relay; the first to do so wins
+            try:
+                ray.kill(self._relay)
+            except Exception:  # already gone
+                pass
+        self._relay = None
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         """Ray Train records the complete checkpoint, already in its run folder, for its retention of
@@ -168,6 +168,24 @@ def _preemption_context():
         return None
 
 
+def _begin_stream(begin, timeout_s: float) -> bool:
+    """The server's answer to ``begin``: whether it kept its running stream. A server that died is
+    restarted by Ray (empty) and answers once back; one that cannot be reached is a lost stream."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return ray.get(begin, timeout=timeout_s)
+    except (RayActorError, GetTimeoutError) as e:
+        raise DataStreamLost(f"the data stream server did not answer ({type(e).__name__}); {RESTART}") from None
+
+
+def _process_started() -> float:
+    import psutil  # a Ray dependency
+
+    return psutil.Process().create_time()
+
+
 def _already_stored(checkpoint, checkpoint_dir_name: str):
     """Every rank wrote its shards into the run folder itself: nothing to upload."""
     return checkpoint
@@ -191,7 +209,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         torch.set_num_threads(threads)
     control = loop_config["control"]
     session = RaySession(
-        config, loop_config["queue"], loop_config["plans"], control, loop_config["validation"], loop_config["keepers"]
+        config,
+        loop_config["queue"],
+        loop_config["plans"],
+        control,
+        loop_config["validation"],
+        loop_config["keepers"],
+        loop_config["stream"],
     )
     attempt = session.attempt = _begin_attempt(control, session.rank)
     trainer = None
