@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import sys
 import threading
 import time
+from functools import partial
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -35,7 +37,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from rayllm import TrainConfig, train  # noqa: E402
 
 WORKER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
-PAUSE_AT = 40  # the elastic run waits before this step until it has grown back to 2 workers
+PAUSE_AT = 150  # the chaos run waits before this step until its last event has landed
 
 
 def records(run_dir: str) -> list[dict]:
@@ -122,46 +124,6 @@ def scenario_reference(overrides, root):
     return summary(run_dir, box)
 
 
-def scenario_faults(overrides, root, crash_at):
-    """Three faults in one run, each once the run has resumed from the one before: SIGTERM to one
-    training worker's process (not the driver) after step 9, as a spot reclaim or a drain sends
-    it; then the last rank dying after writing its shards of checkpoint ``crash_at``, before the
-    commit; then, once the run has trained past step 30, SIGKILL to a worker's process."""
-    from ray.util.state import list_actors
-
-    def a_worker_pid() -> int:
-        return list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])[-1].pid
-
-    def attempts() -> int:
-        return len([r for r in records(run_dir) if r["kind"] == "start"])
-
-    run_dir, crashed = f"{root}/faults", f"{root}/crashed"
-    # The crash fires only while this file is absent (faults.py): armed once the SIGTERM's restart
-    # has begun, so it comes second, whatever the machine's speed.
-    open(crashed, "w").close()
-    os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"] = f"{crash_at}:{crashed}"
-    try:
-        config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
-        thread, box = run_in_thread(config)
-        signalled = armed = killed = False
-        if wait_for(lambda: trained_past(run_dir, 9)):
-            os.kill(a_worker_pid(), signal.SIGTERM)
-            signalled = True
-            if wait_for(lambda: attempts() == 2):
-                os.remove(crashed)
-                armed = True
-                if wait_for(lambda: attempts() == 3 and trained_past(run_dir, 30) and checkpoint_registered(run_dir)):
-                    os.kill(a_worker_pid(), signal.SIGKILL)
-                    killed = True
-        thread.join()
-    finally:
-        del os.environ["RAYLLM_FAULT_CRASH_BEFORE_COMMIT"]
-    crash = open(crashed).read().strip() if armed and os.path.exists(crashed) else None
-    recs = records(run_dir)
-    preempted = [r for r in recs if r["kind"] == "preempted"]
-    return summary(run_dir, box, signalled=signalled, crashed=crash, killed=killed, preempted=preempted)
-
-
 def last_step(run_dir: str) -> int:
     return max((r["step"] for r in records(run_dir) if r["kind"] == "train"), default=0)
 
@@ -181,17 +143,37 @@ def starts(run_dir: str) -> list[dict]:
     return [r for r in records(run_dir) if r["kind"] == "start"]
 
 
-def scenario_elastic(overrides, root, cluster, nodes):
-    """2 workers with in-memory checkpoints every step. A node removed after step 9 (-> 1 worker,
-    from the surviving node's copies in memory); added back once the 1-worker group has trained 3
-    steps (-> 2 at Ray Train's next resize check, from memory again); then, while that group waits
-    before step PAUSE_AT, both worker nodes removed at once and two fresh ones added: no keeper
-    holds a copy any more, so the run falls back to its stored checkpoint. The run waits before
-    PAUSE_AT until that last group has started, so it cannot end before."""
-    run_dir = f"{root}/elastic"
-    hold = f"{root}/elastic-hold"
-    open(hold, "w").close()
-    os.environ["RAYLLM_FAULT_PAUSE_AT"] = f"{PAUSE_AT}:{hold}"
+def latest_start(run_dir: str) -> int:
+    return starts(run_dir)[-1]["step"] if starts(run_dir) else 0
+
+
+def ready_for_event(run_dir: str, world_size: int) -> bool:
+    """The latest group (of ``world_size``) trained 3 steps, with a stored checkpoint registered."""
+    return trained_past(run_dir, latest_start(run_dir) + 3, world_size) and checkpoint_registered(run_dir)
+
+
+def scenario_chaos(overrides, root, cluster, nodes):
+    """Ten failures in one run of up to 2 workers (one per worker node) with in-memory
+    checkpoints every step. Each comes once the run has resumed from the one before and trained
+    a few steps: a worker SIGKILLed; a node's data relay killed; a worker SIGTERMed; the stream
+    server killed; rank 1 hung inside a step (the watchdog must fire); the last rank crashed
+    between a checkpoint's write and its commit; a worker node removed (-> 1 worker); a node
+    added (-> 2 at Ray Train's next resize check); a worker SIGKILLed; and, while the run waits
+    before step PAUSE_AT, both worker nodes replaced by fresh ones, taking every in-memory copy
+    with them (-> the stored checkpoint). The hang and the crash are armed by removing their
+    marker files (faults.py, step 0: the next step or commit)."""
+    from ray.util.state import list_actors
+
+    run_dir = f"{root}/chaos"
+    hang, crash, hold = (f"{root}/chaos-{name}" for name in ("hang", "crash", "hold"))
+    for marker in (hang, crash, hold):
+        open(marker, "w").close()  # the hang and the crash disarmed, the run held before PAUSE_AT
+    faults = {
+        "RAYLLM_FAULT_HANG_AT": f"0:1:{hang}",
+        "RAYLLM_FAULT_CRASH_BEFORE_COMMIT": f"0:{crash}",
+        "RAYLLM_FAULT_PAUSE_AT": f"{PAUSE_AT}:{hold}",
+    }
+    os.environ.update(faults)
     config = TrainConfig.from_yaml(
         "configs/tiny.yaml",
         overrides=[
@@ -199,33 +181,72 @@ def scenario_elastic(overrides, root, cluster, nodes):
             f"run.dir={run_dir}",
             "cluster.num_workers=[1, 2]",
             "cluster.resize_interval_s=2",
+            "cluster.max_failures=20",
             "train.memory_checkpoint_every=1",
+            "train.hang_timeout_s=10",
         ],
     )
-    events = []
+
+    def signal_one(class_name: str, sig: int) -> None:
+        actors = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+        os.kill(sorted(a.pid for a in actors)[-1], sig)
+
+    def remove_node() -> None:
+        cluster.remove_node(nodes.pop(), allow_graceful=False)
+
+    def replace_both() -> None:
+        for node in nodes:  # every copy of the in-memory checkpoints with them
+            cluster.remove_node(node, allow_graceful=False)
+        nodes[:] = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
+
+    events = [  # (name, the latest group's world size it waits for, action)
+        ("worker SIGKILL", 2, lambda: signal_one("RayTrainWorker", signal.SIGKILL)),
+        ("relay killed", 2, lambda: signal_one("NodeRelay", signal.SIGKILL)),
+        ("worker SIGTERM", 2, lambda: signal_one("RayTrainWorker", signal.SIGTERM)),
+        ("server killed", 2, lambda: signal_one("StreamServer", signal.SIGKILL)),
+        ("hang", 2, lambda: os.remove(hang)),
+        ("crash before commit", 2, lambda: os.remove(crash)),
+        ("node removed", 2, remove_node),
+        ("node added", 1, lambda: nodes.append(cluster.add_node(**WORKER_NODE))),
+        ("worker SIGKILL", 2, lambda: signal_one("RayTrainWorker", signal.SIGKILL)),
+    ]
+    done, at = [], []
     try:
         thread, box = run_in_thread(config)
-        if wait_for(lambda: trained_past(run_dir, 9, world_size=2) and checkpoint_registered(run_dir)):
-            cluster.remove_node(nodes.pop(), allow_graceful=False)
-            events.append("removed")
-            if wait_for(lambda: trained_past(run_dir, 1, world_size=1)):
-                resumed_at = starts(run_dir)[-1]["step"]
-                wait_for(lambda: trained_past(run_dir, resumed_at + 3, world_size=1))
-                nodes.append(cluster.add_node(**WORKER_NODE))
-                events.append("added")
-                # The grown group holds before PAUSE_AT: both its nodes go while it waits there.
-                if wait_for(lambda: len(starts(run_dir)) == 3 and starts(run_dir)[-1]["world_size"] == 2):
-                    for node in nodes:  # every copy of the in-memory checkpoints with them
-                        cluster.remove_node(node, allow_graceful=False)
-                    nodes[:] = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
-                    events.append("both replaced")
-                    wait_for(lambda: len(starts(run_dir)) == 4 and starts(run_dir)[-1]["world_size"] == 2)
+        for name, world, act in events:
+            if not wait_for(partial(ready_for_event, run_dir, world)):
+                break
+            count = len(starts(run_dir))
+            act()
+            done.append(name)
+            at.append(last_step(run_dir))
+            if not wait_for(lambda c=count: len(starts(run_dir)) > c):
+                break
+        # The last: the group holds before PAUSE_AT, and both its nodes go while it waits there.
+        if len(done) == len(events) and wait_for(lambda: trained_past(run_dir, PAUSE_AT - 1, world_size=2)):
+            count = len(starts(run_dir))
+            replace_both()
+            done.append("both nodes replaced")
+            at.append(last_step(run_dir))
+            wait_for(lambda: len(starts(run_dir)) > count and trained_past(run_dir, 0, world_size=2))
     finally:
         os.remove(hold)
-        del os.environ["RAYLLM_FAULT_PAUSE_AT"]
+        for name in faults:
+            del os.environ[name]
     thread.join()
-    resumed = [r.get("resumed_from") for r in starts(run_dir)]
-    return summary(run_dir, box, events=events, trained_before=trained_before(run_dir), resumed_from=resumed)
+    recs = records(run_dir)
+    return summary(
+        run_dir,
+        box,
+        events=done,
+        event_steps=at,
+        trained_before=trained_before(run_dir),
+        resumed_from=[r.get("resumed_from") for r in starts(run_dir)],
+        failures=[r["message"] for r in recs if r["kind"] == "failure" and r.get("message")],
+        preempted=[r for r in recs if r["kind"] == "preempted"],
+        hang_summaries=[p.read_text() for p in sorted(pathlib.Path(run_dir, "hangs").glob("*/summary.txt"))],
+        crashed=open(crash).read().strip() if os.path.exists(crash) else None,
+    )
 
 
 def scenario_init_from(overrides, root):
@@ -279,7 +300,7 @@ def main() -> None:
     try:
         for name in args["scenarios"]:
             fn = globals()[f"scenario_{name}"]
-            extra = {"elastic": (cluster, nodes), "faults": (args["crash_at"],)}.get(name, ())
+            extra = {"chaos": (cluster, nodes)}.get(name, ())
             started = time.time()
             out[name] = fn(args["overrides"], args["root"], *extra)
             out[name]["seconds"] = time.time() - started

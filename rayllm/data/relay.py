@@ -148,7 +148,7 @@ def served_batches(relay, rank: int, timeout_s: float) -> Iterator[tuple[Any, Da
     """This rank's rows of each step (a view of its node's object) with the data state after it;
     no wait is longer than ``timeout_s`` (data.wait_timeout_s)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     held, last = 0, time.monotonic()
     while True:
@@ -157,6 +157,8 @@ def served_batches(relay, rank: int, timeout_s: float) -> Iterator[tuple[Any, Da
             objects = ray.get([ref for ref, *_ in reply], timeout=timeout_s) if isinstance(reply, list) else []
         except RayActorError as e:
             raise DataStreamLost(f"the data relay of this node died ({_first_line(e)}); {RESTART}") from None
+        except ObjectLostError as e:  # its owner, the server, died since it put them
+            raise DataStreamLost(f"the data stream's batches were lost ({_first_line(e)}); {RESTART}") from None
         except RayTaskError as e:
             if isinstance(e.cause, DataStreamLost):
                 raise DataStreamLost(str(e.cause)) from None

@@ -3,7 +3,8 @@
 ``RAYLLM_FAULT_CRASH_BEFORE_COMMIT=STEP:MARKER`` makes the last rank exit abruptly after its
 shards of the checkpoint of STEP are written and before that checkpoint is committed: the
 crash that must leave resume on the previous complete checkpoint. It fires once: it creates
-the file MARKER, and does nothing while that file exists.
+the file MARKER, and does nothing while that file exists. STEP 0 means any step: a test arms it
+by removing MARKER, and the next commit crashes (the same for RAYLLM_FAULT_HANG_AT).
 
 ``RAYLLM_FAULT_PAUSE_AT=STEP:MARKER`` makes every rank wait before training step STEP for as
 long as the file MARKER exists: a test holds a run there until something it waits for (a
@@ -45,7 +46,7 @@ def maybe_crash_before_commit(step: int, rank: int, world_size: int) -> None:
     if not wanted or rank != world_size - 1:
         return
     at, marker = wanted.split(":", 1)
-    if int(at) == step and not os.path.exists(marker):
+    if int(at) in (0, step) and not os.path.exists(marker):
         with open(marker, "w") as f:
             f.write(f"crashed before the commit of step {step}\n")
         os._exit(17)
@@ -85,7 +86,7 @@ def maybe_hang(step: int, rank: int) -> None:
     hang = os.environ.get(HANG_AT)
     if hang:
         at, who, marker = hang.split(":", 2)
-        if int(at) == step and int(who) == rank and not os.path.exists(marker):
+        if int(at) in (0, step) and int(who) == rank and not os.path.exists(marker):
             with open(marker, "w") as f:
                 f.write(f"rank {rank} hung in step {step}\n")
             time.sleep(3600)
