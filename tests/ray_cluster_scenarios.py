@@ -246,6 +246,7 @@ def scenario_chaos(overrides, root, cluster, nodes):
         preempted=[r for r in recs if r["kind"] == "preempted"],
         hang_summaries=[p.read_text() for p in sorted(pathlib.Path(run_dir, "hangs").glob("*/summary.txt"))],
         crashed=open(crash).read().strip() if os.path.exists(crash) else None,
+        stream_kept=[r.get("stream_kept") for r in recs if r["kind"] == "first_step"],
     )
 
 

@@ -132,6 +132,14 @@ def test_ten_failures_in_one_run_each_cost_at_most_a_step_and_change_nothing(sce
     check_exactly_once(ref, run)
 
 
+def test_restarts_keep_the_data_stream_running_unless_its_server_or_layout_changed(scenarios):
+    """The driver's stream server outlives attempts: a restart at the same world size resumes
+    from the steps it kept; after its own death it starts empty, and a resize changes which
+    objects hold a node's rows, so it restarts its sources there."""
+    kept = scenarios["chaos"]["stream_kept"]
+    assert kept[:10] == [False, True, True, True, False, True, True, False, False, True], kept
+
+
 def test_the_chaos_runs_failures_are_named(scenarios):
     run = scenarios["chaos"]
     failures = "\n".join(run["failures"])

@@ -47,6 +47,7 @@ class Result:
     step_time_s: float
     # Seconds from the kill to each stage of the new attempt's start-up (rank 0's clock).
     stages: dict[str, float] = dataclasses.field(default_factory=dict)
+    stream_kept: bool | None = None  # the restart was served from the running data stream
 
     @property
     def steps_lost(self) -> int:
@@ -129,7 +130,7 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
     first = next(r for r in records if r["kind"] == "first_step")
     step_times = [r["step_time_s"] for r in before if r["kind"] == "train"][1:]
     first_after = next(r for r in after if r["kind"] == "first_step")
-    marks = {**restart.get("phases", {}), "started": restart["time"], "batch": first_after.get("batch_at")}
+    marks = {**first_after.get("phases", {}), "started": restart["time"]}
     stages = {name: marks[key] - killed_at for key, name in STAGES.items() if marks.get(key) is not None}
     return Result(
         world_size=restart["world_size"],
@@ -141,6 +142,7 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
         caught_up_s=caught_up["time"] - killed_at,
         step_time_s=sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
         stages=stages,
+        stream_kept=first_after.get("stream_kept"),
     )
 
 
@@ -151,6 +153,7 @@ STAGES = {
     "built": "model and optimizer built",
     "restored": "checkpoint restored",
     "started": "started (peak measured)",
+    "stream": "data stream begun",
     "batch": "first batch in hand",
 }
 
@@ -172,6 +175,7 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
     rows = [
         ("resumed from step", lambda r: f"{r.resumed_from_step:d}"),
         ("steps lost (trained again)", lambda r: f"{r.steps_lost:d}"),
+        ("data stream kept running", lambda r: {True: "yes", False: "no"}.get(r.stream_kept, "-")),
         *[(f"kill -> {name}", _stage(name)) for name in STAGES.values()],
         ("kill -> next completed step", lambda r: f"{r.next_step_s:.1f} s"),
         ("kill -> past the killed step", lambda r: f"{r.caught_up_s:.1f} s"),

@@ -133,6 +133,7 @@ class Trainer:
         self.stopped = False  # ended early on a stop request, with a checkpoint
         self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
         self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
+        self.phases: dict[str, float] = getattr(session, "phases", {})  # start-up stages' wall-clock times
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -280,10 +281,9 @@ class Trainer:
         groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
         self._control_group, checkpoint_group = groups
         self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group, self._control_group)
-        phases = getattr(session, "phases", {})
-        phases["built"] = time.time()
+        self.phases["built"] = time.time()
         self.restore()
-        phases["restored"] = time.time()
+        self.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
         if self.step >= end:
             self._emit("done", **{"step": self.step, **self.last_metrics})
@@ -305,7 +305,6 @@ class Trainer:
             accum_steps=self.accum,
             layout=self.layout.describe(),
             nodes=all_nodes(node),
-            phases=phases,
         )
         batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
@@ -374,8 +373,11 @@ class Trainer:
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
             self._emit("skipped", step=self.step, shards=skipped)
         self.data_state = data_state
-        if first:
-            self._emit("first_step", step=self.step, batch_at=batch_at)
+        if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
+            phases = {**self.phases, "batch": batch_at}
+            self._emit(
+                "first_step", step=self.step, phases=phases, stream_kept=getattr(self.session, "stream_kept", None)
+            )
         if self.nonfinite_in_row:
             self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
             if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:

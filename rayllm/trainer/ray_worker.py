@@ -49,6 +49,7 @@ class RaySession:
         self._preemption_context = _preemption_context()
         # Wall-clock times of this attempt's start-up, for ``rayllm bench recovery``'s breakdown.
         self.phases = {"process": _process_started(), "loop": time.time()}
+        self.stream_kept: bool | None = None  # whether this attempt's data came from the running stream
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             import ray.train.torch
 
@@ -81,9 +82,9 @@ class RaySession:
                 slices_per_object(nodes, ranks_per_slice),
             )
             kept[0] = _begin_stream(begin, self.config.data.wait_timeout_s)
-            self.phases["stream_kept"] = kept[0]
         if self.world_size > 1:
             dist.broadcast_object_list(kept, src=0)  # no rank asks before the server has begun
+        self.stream_kept, self.phases["stream"] = kept[0], time.time()
         self._relay = start_relay(server, name, attempt=self.attempt, local_ranks=nodes.count(node))
         return served_batches(self._relay, self.rank, self.config.data.wait_timeout_s)
 
