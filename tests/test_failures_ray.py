@@ -127,22 +127,22 @@ def test_a_stalled_data_stream_is_an_error_naming_the_wait(ray_local):
     import ray
 
     from rayllm.data.relay import served_batches
-    from rayllm.data.serve import DataStreamLost
+    from rayllm.data.stream_protocol import DataStreamLost
 
     @ray.remote(num_cpus=0)
     class Stalled:
-        def steps(self, rank: int, held: int) -> list:
+        def steps(self, attempt: int, local_ranks: int, rank: int, held: int) -> list:
             time.sleep(60)
             return []
 
     @ray.remote(num_cpus=0)
     class Empty:  # alive and answering, but never with data
-        def steps(self, rank: int, held: int) -> list:
+        def steps(self, attempt: int, local_ranks: int, rank: int, held: int) -> list:
             time.sleep(0.2)
             return []
 
     for relay in (Stalled.remote(), Empty.remote()):
         started = time.time()
         with pytest.raises(DataStreamLost, match=r"rank 1 waited 1 s \(data.wait_timeout_s\) for its next batch"):
-            next(served_batches(relay, 1, timeout_s=1.0))
+            next(served_batches(relay, 1, 1, 1, timeout_s=1.0))
         assert time.time() - started < 30

@@ -7,6 +7,7 @@ new attempt that begins among the steps it kept is served from its running strea
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -34,19 +35,22 @@ def numbered_server():
 
 
 def start(ray, keep_behind: int = 0, depth: int = 4):
+    """A server begun at attempt 1 and a relay per simulated node (the same relays at every
+    attempt, as the server keeps its own)."""
+    from rayllm.data.relay import NodeRelay
+
     server = (
         ray.remote(numbered_server()).options(num_cpus=0, max_concurrency=100).remote(None, G, 0, keep_behind, depth)
     )
-    return server, begin(ray, server, attempt=1, consumed=0)
-
-
-def begin(ray, server, attempt: int, consumed: int, world: int = WORLD) -> list:
-    """The attempt's relays, once the server has begun it at ``consumed`` sequences."""
-    from rayllm.data.relay import NodeRelay
-
-    ray.get(server.begin.remote(attempt, {}, consumed, world, world, PER_NODE), timeout=60)
     relay = ray.remote(NodeRelay).options(num_cpus=0, max_concurrency=100)
-    return [relay.remote(server, attempt, f"node-{n}", PER_NODE) for n in range(world // PER_NODE)]
+    relays = [relay.remote(server, f"node-{n}") for n in range(WORLD // PER_NODE)]
+    begin(ray, server, attempt=1, consumed=0)
+    return server, relays
+
+
+def begin(ray, server, attempt: int, consumed: int, world: int = WORLD) -> bool:
+    """Whether the server kept its stream for ``attempt``, begun at ``consumed`` sequences."""
+    return ray.get(server.begin.remote(attempt, {}, consumed, world, world, PER_NODE), timeout=60)
 
 
 def take(batches: dict, steps: int) -> dict[int, list]:
@@ -66,10 +70,10 @@ def take(batches: dict, steps: int) -> dict[int, list]:
     return got
 
 
-def open_ranks(relays, world: int = WORLD) -> dict:
+def open_ranks(relays, attempt: int = 1, world: int = WORLD) -> dict:
     from rayllm.data.relay import served_batches
 
-    return {rank: served_batches(relays[rank // PER_NODE], rank, timeout_s=30) for rank in range(world)}
+    return {rank: served_batches(relays[rank // PER_NODE], attempt, PER_NODE, rank, 30) for rank in range(world)}
 
 
 def expected_slices(rank: int, first_step: int, steps: int, world: int = WORLD) -> list:
@@ -99,13 +103,14 @@ def test_every_rank_gets_its_slice_of_every_step_through_its_nodes_relay(ray_loc
 def test_a_lost_relay_or_server_is_a_data_stream_lost_naming_it(ray_local, victim):
     import ray
 
-    from rayllm.data.serve import DataStreamLost
+    from rayllm.data.stream_protocol import DataStreamLost
 
     server, relays = start(ray)
     batches = open_ranks(relays)
     take(batches, 2)  # both relays serving
     ray.kill(relays[0] if victim == "relay" else server)
-    expected = "data relay of this node died" if victim == "relay" else "data stream server died"
+    # A dead server's batches die with it (their owner): whichever the rank meets first is named.
+    expected = "data relay of this node died" if victim == "relay" else "data stream server died|batches were lost"
     with pytest.raises(DataStreamLost, match=expected):
         for _ in batches[0]:  # what its relay holds already, then the loss
             pass
@@ -115,24 +120,25 @@ def test_a_lost_relay_or_server_is_a_data_stream_lost_naming_it(ray_local, victi
 
 def test_a_new_attempt_among_the_kept_steps_is_served_from_the_running_stream(ray_local):
     """Attempt 1 takes 12 steps (its ranks prefetch more); attempt 2 begins at step 10, kept behind
-    the slowest rank: served from the stream already running. Attempt 1's relays are refused."""
+    the slowest rank: served from the stream already running, through the same relays.
+    Attempt 1's calls are refused by the server and by the relays."""
     import ray
 
-    from rayllm.data.serve import DataStreamLost
+    from rayllm.data.stream_protocol import DataStreamLost
 
     server, relays = start(ray, keep_behind=6)
-    first = open_ranks(relays)
-    take(first, 12)
-    assert ray.get(server.begin.remote(2, {}, 10 * G, WORLD, WORLD, PER_NODE), timeout=60) is True
+    take(open_ranks(relays), 12)
+    assert begin(ray, server, attempt=2, consumed=10 * G) is True
     with pytest.raises(ray.exceptions.RayTaskError, match="taken over by attempt 2") as stale:
         ray.get(server.steps.remote(1, "node-0", [0, 1], 12, 12), timeout=60)  # attempt 1's relay asks
     assert isinstance(stale.value.cause, DataStreamLost)
-    second = begin(ray, server, attempt=3, consumed=10 * G)  # kept again: still among the kept steps
-    got = take(open_ranks(second), 5)
+    got = take(open_ranks(relays, attempt=2), 5)
     for rank in range(WORLD):
         assert all(np.array_equal(a, b) for a, b in zip(got[rank], expected_slices(rank, 10, 5), strict=True))
+    with pytest.raises(ray.exceptions.RayTaskError, match="relay was taken over by attempt 2"):
+        ray.get(relays[0].steps.remote(1, PER_NODE, 0, 12), timeout=60)
     assert ray.get(server.counts.remote())[0] == 1  # the sources never restarted
-    for actor in [*relays, *second, server]:
+    for actor in [*relays, server]:
         ray.kill(actor)
 
 
@@ -142,17 +148,44 @@ def test_a_new_attempt_elsewhere_or_on_another_layout_restarts_the_sources_at_it
     server, relays = start(ray, keep_behind=2)
     take(open_ranks(relays), 20)
     # Step 3 was dropped long ago (only 2 are kept behind the slowest rank): restarted there.
-    again = begin(ray, server, attempt=2, consumed=3 * G)
-    got = take(open_ranks(again), 4)
+    assert begin(ray, server, attempt=2, consumed=3 * G) is False
+    got = take(open_ranks(relays, attempt=2), 4)
     assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 3, 4), strict=True))
     assert ray.get(server.counts.remote())[0] == 2
     # Half the ranks: other objects, so the stream restarts even at a kept step.
-    smaller = begin(ray, server, attempt=3, consumed=5 * G, world=WORLD // 2)
-    got = take(open_ranks(smaller, world=WORLD // 2), 3)
-    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 5, 3, WORLD // 2), strict=True))
+    half = WORLD // 2
+    assert begin(ray, server, attempt=3, consumed=5 * G, world=half) is False
+    got = take(open_ranks(relays, attempt=3, world=half), 3)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 5, 3, half), strict=True))
     assert ray.get(server.counts.remote())[0] == 3
-    for actor in [*relays, *again, *smaller, server]:
+    for actor in [*relays, server]:
         ray.kill(actor)
+
+
+def test_the_run_keeps_one_relay_per_node_for_every_attempt_and_it_outlives_the_server(ray_local):
+    """The run's control actor owns the relays: the same one for a node at every attempt, and a
+    dead server leaves it alive to name the server as what was lost."""
+    import ray
+
+    from rayllm.trainer.control import RunControl
+
+    server, _ = start(ray)
+    control = ray.remote(RunControl).options(num_cpus=0).remote()
+    node = ray.get_runtime_context().get_node_id()
+    relay = ray.get(control.relay.remote(node, server), timeout=60)
+    assert ray.get(control.relay.remote(node, server), timeout=60) == relay
+    batches = open_ranks([relay], world=PER_NODE)  # ranks 0 and 1 of WORLD
+    got = take(batches, 3)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 0, 3), strict=True))
+    ray.kill(server)
+    time.sleep(2)
+    assert ray.get(relay.counters.remote(), timeout=60)["fetched"] >= 3  # still there
+    ray.kill(control)  # and the relay it owns, once Ray has seen its owner go
+    deadline = time.time() + 60
+    with pytest.raises(ray.exceptions.RayActorError):
+        while time.time() < deadline:
+            ray.get(relay.counters.remote(), timeout=60)
+            time.sleep(0.5)
 
 
 def test_a_nodes_worth_of_slices_per_object_only_when_nodes_hold_contiguous_equal_runs_of_ranks():

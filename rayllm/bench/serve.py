@@ -141,7 +141,7 @@ class Consumer:
         relays = {}
         for rank in ranks:
             if rank // group not in relays:
-                relays[rank // group] = NodeRelay(server, 1, f"node-{rank // group}", min(group, world - rank))
+                relays[rank // group] = NodeRelay(server, f"node-{rank // group}")
         waits: list[float] = []
         tokens = 0
         warm = asyncio.Event()
@@ -159,7 +159,8 @@ class Consumer:
         async def fetch(rank: int, held: int) -> list:
             if design == "per-rank queues":
                 return [rows for rows, _ in await server.take.remote(rank)]
-            reply = await relays[rank // group].steps(rank, held)
+            node = rank // group
+            reply = await relays[node].steps(1, min(group, world - node * group), rank, held)
             objects = await asyncio.gather(*(asyncio.shield(pull(ref)) for ref, *_ in reply))
             return [obj[lo:hi] for obj, (_, lo, hi, _) in zip(objects, reply, strict=True)]
 

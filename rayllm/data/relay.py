@@ -7,10 +7,11 @@ objects holding its ranks' rows of every ready step, and answers each rank from 
 server then sees one client per node (125 at 1,000 GPUs of 8 per node), and the relay holds
 each step's references until every rank of its node has taken the step.
 
-A relay is a Ray actor named after the run's server, the attempt and its node, created by
-whichever of the node's ranks asks first (``get_if_exists``), on that node, and it dies with
-that rank (its owner) or when the attempt ends. Its loss, or the server's, is a ``DataStreamLost``: the attempt
-restarts from the latest checkpoint, as for any worker's loss.
+A relay is a Ray actor on its node, created when the node's first rank asks for it by the run's
+control actor (trainer/control.py), which owns it, so, like the server, it outlives attempts:
+a restart finds it running. The first call of a new attempt resets it; calls of an earlier attempt are refused.
+Its loss, or the server's, is a ``DataStreamLost``: the attempt restarts from the latest
+checkpoint, as for any worker's loss, and Ray restarts the relay (empty) for the next one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rayllm.data.order import DataState
-from rayllm.data.serve import END, REPLY_WAIT_S, RESTART, DataStreamLost
+from rayllm.data.stream_protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
 
 SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's call to it is given up
 
@@ -29,9 +30,15 @@ SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's 
 class NodeRelay:
     """Answers a node's ranks from one call to the server per batch of ready steps."""
 
-    def __init__(self, server, attempt: int, key: str, local_ranks: int):
-        self._server, self._attempt, self._key = server, attempt, key
-        self._local_ranks = local_ranks
+    def __init__(self, server, key: str):
+        self._server, self._key = server, key
+        self._news: asyncio.Event | None = None
+        self.server_calls = 0
+        self._begin(None, 0)
+
+    def _begin(self, attempt: int | None, local_ranks: int) -> None:
+        """Serve ``attempt``'s ``local_ranks`` ranks from its first step: nothing of the last one kept."""
+        self._attempt, self._local_ranks = attempt, local_ranks
         self._held: dict[int, int] = {}  # rank -> steps it has taken
         self._steps: dict[int, tuple[list, dict]] = {}  # step -> (this node's objects, data state after it)
         self._layout: dict[int, tuple[int, int, int]] = {}  # rank -> (object, lo, hi)
@@ -39,14 +46,17 @@ class NodeRelay:
         self._fetching = False
         self._end = False
         self._error: BaseException | None = None
-        self._news: asyncio.Event | None = None
-        self.server_calls = 0
 
-    async def steps(self, rank: int, held: int) -> list | str:
+    async def steps(self, attempt: int, local_ranks: int, rank: int, held: int) -> list | str:
         """References for ``rank``'s rows of every step after the first ``held`` that is ready
-        (empty after REPLY_WAIT_S with none), or END; raises the stream's error."""
+        (empty after REPLY_WAIT_S with none), or END; raises the stream's error. The node has
+        ``local_ranks`` ranks in ``attempt``; its first call resets the relay."""
         if self._news is None:
             self._news = asyncio.Event()
+        if attempt != self._attempt:
+            if self._attempt is not None and attempt < self._attempt:
+                raise DataStreamLost(f"attempt {attempt}'s relay was taken over by attempt {self._attempt}")
+            self._begin(attempt, local_ranks)
         self._held[rank] = held
         self._drop_taken()
         deadline = time.monotonic() + REPLY_WAIT_S
@@ -81,11 +91,13 @@ class NodeRelay:
     async def _fetch(self) -> None:
         from ray.exceptions import RayActorError, RayTaskError
 
-        taken = min(self._held.values())
+        taken, attempt = min(self._held.values()), self._attempt
         try:
             self.server_calls += 1
-            call = self._server.steps.remote(self._attempt, self._key, sorted(self._held), self._fetched, taken)
+            call = self._server.steps.remote(attempt, self._key, sorted(self._held), self._fetched, taken)
             reply = await asyncio.wait_for(call, timeout=REPLY_WAIT_S + SERVER_GRACE_S)
+            if attempt != self._attempt:  # a new attempt began meanwhile: this answer is not its
+                return
             if reply == END:
                 self._end = True
             else:
@@ -96,11 +108,14 @@ class NodeRelay:
         except asyncio.TimeoutError:
             pass  # asked again at the ranks' next call; their own deadline (data.wait_timeout_s) names a stall
         except RayActorError as e:
-            self._error = DataStreamLost(f"the data stream server died ({_first_line(e)}); {RESTART}")
+            if attempt == self._attempt:
+                self._error = DataStreamLost(f"the data stream server died ({_first_line(e)}); {RESTART}")
         except RayTaskError as e:  # the stream's own error (a bad shard...): the ranks raise it as it is
-            self._error = e.cause if e.cause is not None else e
+            if attempt == self._attempt:
+                self._error = e.cause if e.cause is not None else e
         finally:
-            self._fetching = False
+            if attempt == self._attempt:
+                self._fetching = False
             news, self._news = self._news, asyncio.Event()
             news.set()
 
@@ -125,35 +140,39 @@ def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
     return max(1, per_node // ranks_per_slice)
 
 
-def start_relay(server, server_name: str, *, attempt: int, local_ranks: int):
-    """This node's relay for ``attempt``: created by the first of its ranks to ask, found by the others."""
+def node_relay(server, server_name: str, node: str):
+    """``node``'s relay, on that node, for the caller to own and keep. Ray restarts it, empty,
+    if its process dies; it dies with its node or with its owner."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(NodeRelay)
         .options(
-            name=f"{server_name}-{attempt}-relay-{node}",  # the whole id: simulated nodes share long prefixes
-            get_if_exists=True,  # race-free: Ray creates one and hands it to every asker
+            name=f"{server_name}-relay-{node}",  # the whole id: simulated nodes share long prefixes
+            get_if_exists=True,
             num_cpus=0,
+            max_restarts=-1,
             max_concurrency=1_000,  # waiting ranks are coroutines, not threads
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
         )
-        .remote(server, attempt, f"{server_name}/{node}", local_ranks)
+        .remote(server, f"{server_name}/{node}")
     )
 
 
-def served_batches(relay, rank: int, timeout_s: float) -> Iterator[tuple[Any, DataState]]:
-    """This rank's rows of each step (a view of its node's object) with the data state after it;
-    no wait is longer than ``timeout_s`` (data.wait_timeout_s)."""
+def served_batches(
+    relay, attempt: int, local_ranks: int, rank: int, timeout_s: float
+) -> Iterator[tuple[Any, DataState]]:
+    """This rank's rows of each step (a view of its node's object) with the data state after it,
+    through its node's relay (``local_ranks`` ranks of ``attempt`` on it); no wait is longer than
+    ``timeout_s`` (data.wait_timeout_s)."""
     import ray
     from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, RayTaskError
 
     held, last = 0, time.monotonic()
     while True:
         try:
-            reply = ray.get(relay.steps.remote(rank, held), timeout=timeout_s)
+            reply = ray.get(relay.steps.remote(attempt, local_ranks, rank, held), timeout=timeout_s)
             objects = ray.get([ref for ref, *_ in reply], timeout=timeout_s) if isinstance(reply, list) else []
         except RayActorError as e:
             raise DataStreamLost(f"the data relay of this node died ({_first_line(e)}); {RESTART}") from None

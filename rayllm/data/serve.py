@@ -1,7 +1,8 @@
 """The global stream served through Ray's object store, with no per-rank thread, queue or call.
 
 One ``StreamServer`` actor per run, owned by the driver, so it outlives the training attempts:
-a restart after a lost worker finds it running. It runs the source pipelines (ray_stream.py) and
+a restart after a lost worker finds it running (and the nodes' relays, which the run's control
+actor keeps). It runs the source pipelines (ray_stream.py) and
 the global order (order.py). Per step it puts the global batch into the object store as one
 object per *node's worth* of data-parallel slices (``slices_per_object``: the data ranks of
 one node), and records the references. Its clients are the nodes' relays (relay.py), not the
@@ -33,10 +34,7 @@ from typing import Any
 
 from rayllm.data.order import DataState, StreamPlan, open_stream
 from rayllm.data.ray_stream import configure_ray_data, ray_chunks
-
-END = "end-of-stream"
-RESTART = "restarting from the latest checkpoint"
-REPLY_WAIT_S = 5.0  # a call with nothing ready returns empty after this, and the rank asks again
+from rayllm.data.stream_protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
 
 
 class _Production:
@@ -214,13 +212,12 @@ class StreamServer:
 MAX_DEPTH, MIN_DEPTH, AHEAD_BYTES, KEEP_BYTES = 32, 4, 512 << 20, 256 << 20
 
 
-def start_server(plan: StreamPlan, *, global_batch: int, tokenize_tasks: int, keep_behind: int, name: str, here):
+def start_server(plan: StreamPlan, *, global_batch: int, tokenize_tasks: int, keep_behind: int, here):
     """The run's stream actor, on the driver's node (``here``: its scheduling strategy), owned by
     the driver: it outlives every attempt, and Ray restarts it (empty) if its process dies."""
     import ray
 
     actor = ray.remote(StreamServer).options(
-        name=name,
         num_cpus=0,
         max_restarts=-1,  # the next attempt's begin() restarts its sources
         max_concurrency=10_000,  # waiting relays are coroutines, not threads
@@ -229,8 +226,3 @@ def start_server(plan: StreamPlan, *, global_batch: int, tokenize_tasks: int, ke
         scheduling_strategy=here,
     )
     return actor.remote(plan, global_batch, tokenize_tasks, keep_behind)
-
-
-class DataStreamLost(RuntimeError):
-    """The stream server or a node's relay died or stalled. Not a user error: the attempt fails
-    and Ray Train restarts the run from its latest checkpoint, where the server resumes."""

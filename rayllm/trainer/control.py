@@ -1,13 +1,19 @@
 """The run's control actor: lives on the driver's node for the whole run, across attempts.
 
 It holds what must outlive a worker group: the stop flag the driver sets on SIGTERM/SIGINT
-(rank 0 reads it between steps), the attempt count, and the failures seen so far, so that an
+(rank 0 reads it between steps), the attempt count, the nodes' data relays (data/relay.py;
+owned here, not by the stream server, so a dead server does not take them along and a lost
+relay is told apart from a lost server), and the failures seen so far, so that an
 error that repeats at the same step on a fresh attempt is recognised as deterministic and ends
 the run with its message instead of being retried up to ``cluster.max_failures`` (for ever
 with -1).
 """
 
 from __future__ import annotations
+
+import uuid
+
+from rayllm.data.relay import node_relay
 
 
 def failure_signature(error: BaseException) -> str:
@@ -23,6 +29,14 @@ class RunControl:
         self._stop = False
         self._attempt = 0
         self._failures: dict[tuple[int, str], int] = {}  # (step, signature) -> first attempt seen
+        self._relays: dict[str, object] = {}  # node id -> its data relay
+        self._run = uuid.uuid4().hex[:12]  # names this run's relays
+
+    def relay(self, node: str, server):
+        """``node``'s data relay for ``server``: created on the first ask, then the same one at every attempt."""
+        if node not in self._relays:
+            self._relays[node] = node_relay(server, f"rayllm-{self._run}", node)
+        return self._relays[node]
 
     def request_stop(self) -> None:
         self._stop = True

@@ -129,22 +129,19 @@ def _signal_hook_env() -> dict[str, str]:
     return {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WORKER_SETUP_HOOK}
 
 
-def _start_stream(config: TrainConfig, plans, here) -> tuple[Any, str]:
-    """The run's data stream server (serve.py) and its name: the driver owns it, so a restart
+def _start_stream(config: TrainConfig, plans, here):
+    """The run's data stream server (serve.py): the driver owns it, so a restart
     after a lost worker finds the stream running and resumes from it when the checkpoint's step is
     among those it kept: the steps back to the latest checkpoint and the ranks' prefetch."""
     t = config.train
-    name = f"rayllm-stream-{uuid.uuid4().hex[:12]}"
     keep_behind = max(t.checkpoint_every, 2 * (t.memory_checkpoint_every or 0)) + PREFETCHED_STEPS
-    server = start_server(
+    return start_server(
         plans.train,
         global_batch=t.global_batch_size,
         tokenize_tasks=config.data.tokenize_tasks,
         keep_behind=keep_behind,
-        name=name,
         here=here,
     )
-    return server, name
 
 
 # Steps a rank may hold beyond the one it trains: its prefetch queue and the one being put in it.
@@ -262,8 +259,8 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         monitor.close()
         try:
             records.shutdown()
-            ray.kill(control)
-            ray.kill(stream[0])
+            ray.kill(control)  # and the relays it owns
+            ray.kill(stream)
             if registry is not None:
                 ray.kill(registry)  # and the keepers it owns, with every in-memory checkpoint
         except Exception:

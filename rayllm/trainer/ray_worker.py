@@ -13,8 +13,8 @@ from rayllm.checkpoint import checkpoint_name
 from rayllm.checkpoint.memory import memory_uri
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
-from rayllm.data.relay import served_batches, slices_per_object, start_relay
-from rayllm.data.serve import RESTART, DataStreamLost
+from rayllm.data.relay import served_batches, slices_per_object
+from rayllm.data.stream_protocol import RESTART, DataStreamLost
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
@@ -34,10 +34,10 @@ class RaySession:
         self._queue = queue  # progress from rank 0; failures from any rank
         self.config = config
         self.train_plan, self.val_plan = plans.train, plans.val
-        self._stream = stream  # (the run's stream server, its name)
-        self._relay = None
+        self._stream = stream  # the run's stream server (serve.py)
         self._validation = validation  # an object ref: the validation batches
-        self._control = control if self.rank == 0 else None  # the driver's stop flag (an actor)
+        self._run_control = control  # the run's control actor (control.py)
+        self._control = control if self.rank == 0 else None  # ... whose stop flag rank 0 reads
         self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.attempt = 1  # set once the attempt is counted (train_loop_per_worker)
         self._stop_checked_at = 0.0
@@ -60,8 +60,8 @@ class RaySession:
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Rank 0 tells the run's stream server (the driver's, serve.py) where this attempt begins;
-        every rank pulls its slices through its node's relay (relay.py), which the node's first
-        rank to ask starts."""
+        every rank pulls its slices through its node's relay (relay.py), which the server keeps
+        across attempts."""
         import ray
         import torch.distributed as dist
 
@@ -69,7 +69,7 @@ class RaySession:
         nodes = [node] * self.world_size  # each rank's node, by id
         if self.world_size > 1:
             dist.all_gather_object(nodes, node)
-        server, name = self._stream
+        server = self._stream
         kept = [None]
         if self.rank == 0:
             begin = server.begin.remote(
@@ -81,28 +81,19 @@ class RaySession:
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
                 slices_per_object(nodes, ranks_per_slice),
             )
-            kept[0] = _begin_stream(begin, self.config.data.wait_timeout_s)
+            kept[0] = _answer(begin, self.config.data.wait_timeout_s)
         if self.world_size > 1:
             dist.broadcast_object_list(kept, src=0)  # no rank asks before the server has begun
         self.stream_kept, self.phases["stream"] = kept[0], time.time()
-        self._relay = start_relay(server, name, attempt=self.attempt, local_ranks=nodes.count(node))
-        return served_batches(self._relay, self.rank, self.config.data.wait_timeout_s)
+        relay = _answer(self._run_control.relay.remote(node, server), self.config.data.wait_timeout_s)
+        timeout = self.config.data.wait_timeout_s
+        return served_batches(relay, self.attempt, nodes.count(node), self.rank, timeout)
 
     def validation_batches(self) -> list:
         """Packed once by the driver (launch.py) and fetched from the object store, once per node."""
         import ray
 
         return ray.get(self._validation, timeout=self.config.data.wait_timeout_s)
-
-    def close(self) -> None:
-        import ray
-
-        if self._relay is not None:  # each rank kills its node's relay; the first to do so wins
-            try:
-                ray.kill(self._relay)
-            except Exception:  # already gone
-                pass
-        self._relay = None
 
     def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
         """Ray Train records the complete checkpoint, already in its run folder, for its retention of
@@ -169,14 +160,14 @@ def _preemption_context():
         return None
 
 
-def _begin_stream(begin, timeout_s: float) -> bool:
-    """The server's answer to ``begin``: whether it kept its running stream. A server that died is
-    restarted by Ray (empty) and answers once back; one that cannot be reached is a lost stream."""
+def _answer(call, timeout_s: float):
+    """The stream server's answer to ``call``. A server that died is restarted by Ray (empty) and
+    answers once back; one that cannot be reached is a lost stream."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
     try:
-        return ray.get(begin, timeout=timeout_s)
+        return ray.get(call, timeout=timeout_s)
     except (RayActorError, GetTimeoutError) as e:
         raise DataStreamLost(f"the data stream server did not answer ({type(e).__name__}); {RESTART}") from None
 
