@@ -150,7 +150,9 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
 STAGES = {
     "process": "new worker process",
     "loop": "train loop entered",
-    "built": "model and optimizer built",
+    "attempt": "attempt counted",
+    "model": "model and optimizer built",
+    "checkpointer": "process groups, checkpointer",
     "restored": "checkpoint restored",
     "started": "started (peak measured)",
     "stream": "data stream begun",
@@ -198,15 +200,4 @@ def _stage(name: str):
 
 
 def format_result(r: Result) -> str:
-    redone = r.steps_lost
-    return "\n".join(
-        [
-            f"recovery from a SIGKILLed training worker ({r.world_size} workers, killed after step "
-            f"{r.killed_after_step}, resumed from the checkpoint of step {r.resumed_from_step})",
-            f"  kill -> worker group restarted, checkpoint restored  {r.restart_s:7.1f} s",
-            f"  kill -> next completed step                           {r.next_step_s:7.1f} s",
-            f"  kill -> past the killed step ({redone} steps trained again) {r.caught_up_s:7.1f} s",
-            f"  for scale: cold start to the first step               {r.cold_start_s:7.1f} s;"
-            f" one step {r.step_time_s:.2f} s",
-        ]
-    )
+    return format_comparison([("this run", r)])

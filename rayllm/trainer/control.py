@@ -31,6 +31,13 @@ class RunControl:
         self._failures: dict[tuple[int, str], int] = {}  # (step, signature) -> first attempt seen
         self._relays: dict[str, object] = {}  # node id -> its data relay
         self._run = uuid.uuid4().hex[:12]  # names this run's relays
+        self._peak_flops: dict[int, float] = {}  # world size -> every rank's matmul peak, summed
+
+    def peak_flops(self, world_size: int) -> float | None:
+        return self._peak_flops.get(world_size)
+
+    def remember_peak_flops(self, world_size: int, flops: float) -> None:
+        self._peak_flops[world_size] = flops
 
     def relay(self, node: str, server):
         """``node``'s data relay for ``server``: created on the first ask, then the same one at every attempt."""

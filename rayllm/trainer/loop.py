@@ -134,6 +134,7 @@ class Trainer:
         self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
         self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
         self.phases: dict[str, float] = getattr(session, "phases", {})  # start-up stages' wall-clock times
+        self.phases["model"] = time.time()
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -281,7 +282,7 @@ class Trainer:
         groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
         self._control_group, checkpoint_group = groups
         self.checkpointer = Checkpointer(self.config, session, self.device, checkpoint_group, self._control_group)
-        self.phases["built"] = time.time()
+        self.phases["checkpointer"] = time.time()
         self.restore()
         self.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
@@ -292,7 +293,8 @@ class Trainer:
             return self.last_metrics
         fpt = flops_per_token(self.args, self.config.data.seq_len)
         # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
-        (peak_flops,) = all_sum([matmul_peak_flops(self.device)], self.device)
+        measure = lambda: all_sum([matmul_peak_flops(self.device)], self.device)[0]  # noqa: E731
+        peak_flops = session.peak_flops(measure)
         self._emit(
             "start",
             step=self.step,

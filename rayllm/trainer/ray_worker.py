@@ -18,7 +18,7 @@ from rayllm.data.stream_protocol import RESTART, DataStreamLost
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
-from rayllm.trainer.signals import WORKER
+from rayllm.trainer.signals import WORKER, install_in_worker
 
 
 class RaySession:
@@ -88,6 +88,18 @@ class RaySession:
         relay = _answer(self._run_control.relay.remote(node, server), self.config.data.wait_timeout_s)
         timeout = self.config.data.wait_timeout_s
         return served_batches(relay, self.attempt, nodes.count(node), self.rank, timeout)
+
+    def peak_flops(self, measure) -> float:
+        """Every rank's matmul peak together: ``measure()`` (collective) at the first attempt of
+        this world size, then remembered by the run's control actor (0.6 s of every restart)."""
+        import ray
+
+        known = ray.get(self._run_control.peak_flops.remote(self.world_size), timeout=60)
+        if known is None:  # the same answer on every rank: rank 0 stores only after the collective
+            known = measure()
+            if self.rank == 0:
+                self._run_control.remember_peak_flops.remote(self.world_size, known)
+        return known
 
     def validation_batches(self) -> list:
         """Packed once by the driver (launch.py) and fetched from the object store, once per node."""
@@ -210,6 +222,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config["stream"],
     )
     attempt = session.attempt = _begin_attempt(control, session.rank)
+    session.phases["attempt"] = time.time()
     trainer = None
     try:
         trainer = Trainer(config, session)
@@ -228,6 +241,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             {"kind": "failure", "step": step, "rank": session.rank, "node": session.node, "message": signature}
         )
         raise
+
+
+def setup_worker_process() -> None:
+    """Ray's worker_process_setup_hook for training workers: rayllm's SIGTERM handler (signals.py),
+    then what the first steps of an attempt would otherwise load. Ray starts worker processes
+    ahead of need and runs this then, so a group that replaces a failed one finds it done:
+    torch's lazily imported parts, loaded by the first meta-device initialisation, cost 0.8 s."""
+    install_in_worker()
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
 
 
 def _begin_attempt(control, rank: int) -> int:

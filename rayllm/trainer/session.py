@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +32,10 @@ class Session(Protocol):
 
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
     memory_root: str | None  # where in-memory checkpoints go (checkpoint/memory.py), None: none
+
+    def peak_flops(self, measure: Callable[[], float]) -> float:
+        """Collective: every rank's matmul peak together, ``measure()`` or what an earlier attempt of
+        this world size measured (MFU's denominator)."""
 
     def validation_batches(self) -> list[np.ndarray]:
         """Collective: the whole global batches of validation data (train.val_batches of them, or

@@ -70,6 +70,3 @@ def install_in_worker() -> None:
         return None
 
     ray_utils.set_sigterm_handler = keep_rayllm_handler
-    # Ray starts worker processes ahead of need and runs this hook then: a worker group that
-    # replaces a failed one finds torch and the training loop imported (seconds on a restart).
-    import rayllm.trainer.ray_worker  # noqa: F401

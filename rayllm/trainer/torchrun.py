@@ -57,6 +57,9 @@ class LocalSession:
         slice_, slices = self.rank // ranks_per_slice, self.world_size // ranks_per_slice
         return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
 
+    def peak_flops(self, measure) -> float:
+        return measure()  # each torchrun start is a fresh run: nothing to remember it by
+
     def validation_batches(self) -> list[np.ndarray]:
         """Collective: rank 0 packs the validation batches and broadcasts them, so they are
         tokenized once per run, not once per rank."""
