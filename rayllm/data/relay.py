@@ -56,6 +56,8 @@ class NodeRelay:
         if attempt != self._attempt:
             if self._attempt is not None and attempt < self._attempt:
                 raise DataStreamLost(f"attempt {attempt}'s relay was taken over by attempt {self._attempt}")
+            if held:  # an attempt's ranks start at 0: this relay lost what it held
+                raise DataStreamLost(f"the data relay of this node died and was restarted empty; {RESTART}")
             self._begin(attempt, local_ranks)
         self._held[rank] = held
         self._drop_taken()
