@@ -165,13 +165,15 @@ def scenario_chaos(overrides, root, cluster, nodes):
     from ray.util.state import list_actors
 
     run_dir = f"{root}/chaos"
-    hang, crash, hold = (f"{root}/chaos-{name}" for name in ("hang", "crash", "hold"))
+    hang, crash, hold, hold_now = (f"{root}/chaos-{name}" for name in ("hang", "crash", "hold", "hold-now"))
     for marker in (hang, crash, hold):
         open(marker, "w").close()  # the hang and the crash disarmed, the run held before PAUSE_AT
     faults = {
         "RAYLLM_FAULT_HANG_AT": f"0:1:{hang}",
         "RAYLLM_FAULT_CRASH_BEFORE_COMMIT": f"0:{crash}",
-        "RAYLLM_FAULT_PAUSE_AT": f"{PAUSE_AT}:{hold}",
+        # ... and before any step while hold_now exists: a resize can take Ray Train tens of
+        # seconds, in which the smaller group would otherwise train on towards PAUSE_AT.
+        "RAYLLM_FAULT_PAUSE_AT": f"{PAUSE_AT}:{hold},0:{hold_now}",
     }
     os.environ.update(faults)
     config = TrainConfig.from_yaml(
@@ -199,6 +201,10 @@ def scenario_chaos(overrides, root, cluster, nodes):
             cluster.remove_node(node, allow_graceful=False)
         nodes[:] = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
 
+    def add_node() -> None:
+        open(hold_now, "w").close()  # the 1-worker group waits for the resize (removed below)
+        nodes.append(cluster.add_node(**WORKER_NODE))
+
     events = [  # (name, the latest group's world size it waits for, action)
         ("worker SIGKILL", 2, lambda: signal_one("RayTrainWorker", signal.SIGKILL)),
         ("relay killed", 2, lambda: signal_one("NodeRelay", signal.SIGKILL)),
@@ -207,7 +213,7 @@ def scenario_chaos(overrides, root, cluster, nodes):
         ("hang", 2, lambda: os.remove(hang)),
         ("crash before commit", 2, lambda: os.remove(crash)),
         ("node removed", 2, remove_node),
-        ("node added", 1, lambda: nodes.append(cluster.add_node(**WORKER_NODE))),
+        ("node added", 1, add_node),
         ("worker SIGKILL", 2, lambda: signal_one("RayTrainWorker", signal.SIGKILL)),
     ]
     done, at = [], []
@@ -222,6 +228,8 @@ def scenario_chaos(overrides, root, cluster, nodes):
             at.append(last_step(run_dir))
             if not wait_for(lambda c=count: len(starts(run_dir)) > c):
                 break
+            if os.path.exists(hold_now):
+                os.remove(hold_now)
         # The last: the group holds before PAUSE_AT, and both its nodes go while it waits there.
         if len(done) == len(events) and wait_for(lambda: trained_past(run_dir, PAUSE_AT - 1, world_size=2)):
             count = len(starts(run_dir))
@@ -230,7 +238,9 @@ def scenario_chaos(overrides, root, cluster, nodes):
             at.append(last_step(run_dir))
             wait_for(lambda: len(starts(run_dir)) > count and trained_past(run_dir, 0, world_size=2))
     finally:
-        os.remove(hold)
+        for marker in (hold, hold_now):
+            if os.path.exists(marker):
+                os.remove(marker)
         for name in faults:
             del os.environ[name]
     thread.join()

@@ -8,7 +8,8 @@ by removing MARKER, and the next commit crashes (the same for RAYLLM_FAULT_HANG_
 
 ``RAYLLM_FAULT_PAUSE_AT=STEP:MARKER`` makes every rank wait before training step STEP for as
 long as the file MARKER exists: a test holds a run there until something it waits for (a
-node added, a resize) has happened, however fast or slow the machine is.
+node added, a resize) has happened, however fast or slow the machine is. Several holds are
+separated by commas; STEP 0 holds before any step while MARKER exists.
 
 ``RAYLLM_FAULT_NAN_FROM=STEP`` makes the loss NaN from step STEP on (divergence).
 
@@ -56,9 +57,10 @@ def maybe_pause_before(step: int) -> None:
     wanted = os.environ.get(PAUSE_AT)
     if not wanted:
         return
-    at, marker = wanted.split(":", 1)
-    while int(at) == step and os.path.exists(marker):
-        time.sleep(0.1)
+    for hold in wanted.split(","):
+        at, marker = hold.split(":", 1)
+        while int(at) in (0, step) and os.path.exists(marker):
+            time.sleep(0.1)
 
 
 def loss_scale(step: int) -> float:
