@@ -114,7 +114,7 @@ def _controller_env(config: TrainConfig):
                 os.environ[name] = value
 
 
-WORKER_SETUP_HOOK = "rayllm.trainer.ray_worker.setup_worker_process"
+WORKER_SETUP_HOOK = "rayllm.trainer.signals.install_in_worker"
 
 
 def _signal_hook_env() -> dict[str, str]:

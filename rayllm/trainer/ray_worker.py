@@ -18,7 +18,7 @@ from rayllm.data.stream_protocol import RESTART, DataStreamLost
 from rayllm.errors import RayllmError
 from rayllm.trainer.control import failure_signature
 from rayllm.trainer.loop import Trainer
-from rayllm.trainer.signals import WORKER, install_in_worker
+from rayllm.trainer.signals import WORKER
 
 
 class RaySession:
@@ -241,16 +241,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             {"kind": "failure", "step": step, "rank": session.rank, "node": session.node, "message": signature}
         )
         raise
-
-
-def setup_worker_process() -> None:
-    """Ray's worker_process_setup_hook for training workers: rayllm's SIGTERM handler (signals.py),
-    then what the first steps of an attempt would otherwise load. Ray starts worker processes
-    ahead of need and runs this then, so a group that replaces a failed one finds it done:
-    torch's lazily imported parts, loaded by the first meta-device initialisation, cost 0.8 s."""
-    install_in_worker()
-    with torch.device("meta"):
-        torch.nn.Embedding(2, 2)
 
 
 def _begin_attempt(control, rank: int) -> int:
