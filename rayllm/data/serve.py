@@ -201,10 +201,6 @@ class StreamServer:
             self._layouts[ranks] = (objects, layout)
         return self._layouts[ranks]
 
-    def stop(self) -> None:
-        if self._production is not None:
-            self._production.stop.set()
-
 
 # Steps the server runs ahead of the slowest rank: up to MAX_DEPTH, within AHEAD_BYTES of the
 # object store. A rank's call returns every ready step, so the deeper, the fewer calls.

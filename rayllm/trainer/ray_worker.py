@@ -36,8 +36,7 @@ class RaySession:
         self.train_plan, self.val_plan = plans.train, plans.val
         self._stream = stream  # the run's stream server (serve.py)
         self._validation = validation  # an object ref: the validation batches
-        self._run_control = control  # the run's control actor (control.py)
-        self._control = control if self.rank == 0 else None  # ... whose stop flag rank 0 reads
+        self._control = control  # the run's control actor (control.py): stop flag, relays, peak
         self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.attempt = 1  # set once the attempt is counted (train_loop_per_worker)
         self._stop_checked_at = 0.0
@@ -60,8 +59,8 @@ class RaySession:
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Rank 0 tells the run's stream server (the driver's, serve.py) where this attempt begins;
-        every rank pulls its slices through its node's relay (relay.py), which the server keeps
-        across attempts."""
+        every rank pulls its slices through its node's relay (relay.py), which the control actor
+        keeps across attempts."""
         import ray
         import torch.distributed as dist
 
@@ -85,7 +84,7 @@ class RaySession:
         if self.world_size > 1:
             dist.broadcast_object_list(kept, src=0)  # no rank asks before the server has begun
         self.stream_kept, self.phases["stream"] = kept[0], time.time()
-        relay = _answer(self._run_control.relay.remote(node, server), self.config.data.wait_timeout_s)
+        relay = _answer(self._control.relay.remote(node, server), self.config.data.wait_timeout_s)
         timeout = self.config.data.wait_timeout_s
         return served_batches(relay, self.attempt, nodes.count(node), self.rank, timeout)
 
@@ -94,11 +93,11 @@ class RaySession:
         this world size, then remembered by the run's control actor (0.6 s of every restart)."""
         import ray
 
-        known = ray.get(self._run_control.peak_flops.remote(self.world_size), timeout=60)
+        known = ray.get(self._control.peak_flops.remote(self.world_size), timeout=60)
         if known is None:  # the same answer on every rank: rank 0 stores only after the collective
             known = measure()
             if self.rank == 0:
-                self._run_control.remember_peak_flops.remote(self.world_size, known)
+                self._control.remember_peak_flops.remote(self.world_size, known)
         return known
 
     def validation_batches(self) -> list:
@@ -128,7 +127,7 @@ class RaySession:
 
     def stop_requested(self) -> bool:
         """Rank 0 asks the driver's flag at most once a second; the loop shares the answer."""
-        if self._control is None or self._stop:
+        if self._control is None or self.rank != 0 or self._stop:
             return self._stop
         now = time.monotonic()
         if now - self._stop_checked_at >= 1.0:
