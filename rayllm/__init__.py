@@ -28,7 +28,7 @@ __all__ = [
 
 def train(config: TrainConfig, *, quiet: bool = False):
     """Train as ``config`` says; returns a TrainResult (final metrics, latest checkpoint)."""
-    from rayllm.trainer.launch import train as _train
+    from rayllm.runtime.launch import train as _train
 
     return _train(config, quiet=quiet)
 
@@ -36,28 +36,28 @@ def train(config: TrainConfig, *, quiet: bool = False):
 def load(path: str, *, device: str = "auto", storage=None, tokenizer: str | None = None):
     """A trained model with its tokenizer (``Pretrained``): from a checkpoint at any world size, a run
     dir's latest checkpoint (local or s3://), or a local Hugging Face Llama folder."""
-    from rayllm.pretrained import load as _load
+    from rayllm.use.pretrained import load as _load
 
     return _load(path, device=device, storage=storage, tokenizer=tokenizer)
 
 
 def evaluate(checkpoint: str, data, *, workers: int = 2, seq_len: int | None = None, **kwargs):
     """Perplexity of a checkpoint over held-out shards, on ``workers`` Ray actors (an EvalResult)."""
-    from rayllm.evaluate import evaluate as _evaluate
+    from rayllm.use.evaluate import evaluate as _evaluate
 
     return _evaluate(checkpoint, data, workers=workers, seq_len=seq_len, **kwargs)
 
 
 def export_hf(checkpoint: str, out_dir: str, *, storage=None, tokenizer: str | None = None) -> str:
     """A checkpoint as a Hugging Face Llama folder (config.json, model.safetensors, tokenizer files)."""
-    from rayllm.pretrained import export_checkpoint
+    from rayllm.use.pretrained import export_checkpoint
 
     return export_checkpoint(checkpoint, out_dir, storage=storage, tokenizer=tokenizer)
 
 
 def __getattr__(name):
     if name == "TrainResult":
-        from rayllm.trainer.launch import TrainResult
+        from rayllm.runtime.launch import TrainResult
 
         return TrainResult
     raise AttributeError(name)

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
     from rayllm.config import TrainConfig
-    from rayllm.resolve import resolve
+    from rayllm.config.resolve import resolve
 
     try:
         # Resolved here, on the driver, so every command (and `rayllm config`'s printout) sees model.init_from's shape.
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_yaml(), end="")
             return 0
         if args.command == "plan":
-            from rayllm.parallel import plan as planner
+            from rayllm.parallel import planner
 
             print(
                 planner.report(
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs, args.repeats)))
             return 0
         if args.command == "tokenizer":
-            from rayllm.data.plan import train_tokenizer
+            from rayllm.data.discover import train_tokenizer
 
             info = train_tokenizer(config, args.output, args.vocab_size, args.special_tokens)
             print(
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"from {info['shards']} shard(s), saved to {info['output']}"
             )
             return 0
-        from rayllm.trainer.launch import format_summary, train
+        from rayllm.runtime.launch import format_summary, train
 
         result = train(config, quiet=args.quiet)
         if args.quiet:
@@ -237,18 +237,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _use_model(args: argparse.Namespace) -> int:
     """generate, eval and export: a trained model, outside training."""
-    from rayllm.config import StorageSettings
+    from rayllm.io.settings import StorageSettings
 
     storage = StorageSettings(endpoint_url=args.endpoint_url)
     try:
         if args.command == "export":
-            from rayllm.pretrained import export_checkpoint
+            from rayllm.use.pretrained import export_checkpoint
 
             out = export_checkpoint(args.checkpoint, args.output, storage=storage, tokenizer=args.tokenizer)
             print(f"[rayllm] exported {args.checkpoint} to {out} (transformers LlamaForCausalLM)")
             return 0
         if args.command == "eval":
-            from rayllm.evaluate import evaluate, format_result
+            from rayllm.use.evaluate import evaluate, format_result
 
             result = evaluate(
                 args.checkpoint,
@@ -261,7 +261,7 @@ def _use_model(args: argparse.Namespace) -> int:
             )
             print(format_result(result))
             return 0
-        from rayllm.pretrained import load
+        from rayllm.use.pretrained import load
 
         pretrained = load(args.checkpoint, storage=storage, device=args.device, tokenizer=args.tokenizer)
         for prompt in args.prompt:

@@ -133,7 +133,7 @@ def worker_shortage(nodes: list[dict[str, float]], config: TrainConfig) -> str |
 
 def _shortage_fix(name: str | None, lo: int, bundle: dict[str, float]) -> str:
     """How to give the cluster what is short, or to ask for less of it."""
-    from rayllm.data.ray_stream import DATA_TASK_CPUS
+    from rayllm.data.stream.pipeline import DATA_TASK_CPUS
 
     if name == "CPU":
         cpus = math.ceil(lo * bundle["CPU"] + 2 * DATA_TASK_CPUS)
@@ -155,7 +155,7 @@ def no_room_for_data(cluster_cpus: float, config: TrainConfig) -> str | None:
     """Why training would wait for ever on a cluster of ``cluster_cpus`` CPUs, or None: the
     worker group Ray Train would start there takes every CPU, so the data pipeline's tasks can
     never run (unless an autoscaler adds nodes)."""
-    from rayllm.data.ray_stream import DATA_TASK_CPUS
+    from rayllm.data.stream.pipeline import DATA_TASK_CPUS
 
     lo, hi = config.worker_range
     per_worker = config.cluster.cpus_per_worker

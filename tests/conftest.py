@@ -54,7 +54,7 @@ def torchrun_cmd(nproc: int, overrides: list[str], config: str = "configs/tiny.y
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
         "-m",
-        "rayllm.trainer.torchrun",
+        "rayllm.runtime.torchrun",
         config,
         *overrides,
     ]
@@ -231,9 +231,9 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_file(corpus, tmp_path_factory) -> Path:
-    from rayllm.config import StorageSettings
     from rayllm.data import tokenizer as tok
     from rayllm.data.shards import iter_documents
+    from rayllm.io.settings import StorageSettings
 
     docs = list(iter_documents(str(corpus / "train" / "part-0.jsonl"), "text", StorageSettings()))
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"

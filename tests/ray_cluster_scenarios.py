@@ -267,11 +267,11 @@ def scenario_init_from(overrides, root):
     import torch
 
     import rayllm
+    from rayllm.checkpoint.hf import save_hf
+    from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
-    from rayllm.data.plan import prepare_data
-    from rayllm.hf import save_hf
+    from rayllm.loop.trainer import model_args
     from rayllm.model import Llama
-    from rayllm.trainer.loop import model_args
 
     run_dir, folder = f"{root}/init_from", f"{root}/hf"
     run = [*overrides, f"run.dir={run_dir}", "train.max_steps=3"]

@@ -82,7 +82,7 @@ BAD_VALUES = [
     ("data.on_bad_shard=ignore", "data.on_bad_shard"),
     ("data.val=[]", "data.val"),
     ("data.train=[{path: data/demo/train, weight: -1}]", "data.train[0].weight"),
-    ("data.storage.endpoint_url=minio:9000", "data.storage.endpoint_url"),
+    ("storage.endpoint_url=minio:9000", "storage.endpoint_url"),
     ("model.vocab_size=1", "model.vocab_size"),
     ("model.norm_eps=0", "model.norm_eps"),
     ("model.rope_theta=-10000", "model.rope_theta"),
@@ -126,12 +126,12 @@ def no_workers(monkeypatch):
     """Reaching Ray at all fails the test: every refusal here must come before any worker starts."""
     import ray
 
-    import rayllm.trainer.launch
+    import rayllm.runtime.launch
 
     def refuse(*args, **kwargs):
         raise AssertionError("the bad value got as far as starting Ray, to start the workers")
 
-    monkeypatch.setattr(rayllm.trainer.launch, "connect_ray", refuse, raising=False)
+    monkeypatch.setattr(rayllm.runtime.launch, "connect_ray", refuse, raising=False)
     monkeypatch.setattr(ray, "init", refuse)
 
 

@@ -19,9 +19,9 @@ import yaml
 
 from rayllm import TrainConfig
 from rayllm.autoscaler import spot_first
+from rayllm.loop.trainer import model_args
 from rayllm.model import Llama, num_params
 from rayllm.parallel.layout import resolve_layout, usable_world_sizes
-from rayllm.trainer.loop import model_args
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
@@ -140,7 +140,7 @@ def test_presets_have_the_published_architectures_and_batches_that_fit_their_har
     assert config.cluster.use_gpu
     lo, hi = config.worker_range
     # The ends of the elastic range lay out on whole 8-GPU nodes and keep the global batch; an
-    # elastic run takes only such sizes in between (rayllm.trainer.ray_trainer.WholeLayoutsPolicy).
+    # elastic run takes only such sizes in between (rayllm.runtime.ray_trainer.WholeLayoutsPolicy).
     t = config.train
     usable = usable_world_sizes(config.parallel, lo, hi, t.global_batch_size, t.micro_batch_size)
     assert lo in usable and hi in usable, usable

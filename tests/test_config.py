@@ -63,34 +63,34 @@ def test_resolved_config_round_trips():
 
 
 def test_credentials_are_redacted_from_the_recorded_config():
-    config = TrainConfig.from_dict({}, overrides=["data.storage.key=AKIAXYZ", "data.storage.secret=hunter2"])
+    config = TrainConfig.from_dict({}, overrides=["storage.key=AKIAXYZ", "storage.secret=hunter2"])
     text = str(config.redacted())
     assert "AKIAXYZ" not in text and "hunter2" not in text
-    assert config.data.storage.secret == "hunter2"  # still there for the workers
+    assert config.storage.secret == "hunter2"  # still there for the workers
 
 
 def test_credentials_inside_urls_are_redacted_and_never_in_a_repr():
     config = TrainConfig.from_dict(
         {},
         overrides=[
-            "data.storage.endpoint_url=https://minio:pa55word@s3.example.com:9000",
-            "data.storage.key=AKIAXYZ",
-            "data.storage.secret=hunter2",
+            "storage.endpoint_url=https://minio:pa55word@s3.example.com:9000",
+            "storage.key=AKIAXYZ",
+            "storage.secret=hunter2",
         ],
     )
     recorded = config.redacted()
-    for text in (str(recorded), repr(config), str(config.data), repr(config.data.storage)):
+    for text in (str(recorded), repr(config), str(config.data), repr(config.storage)):
         assert "pa55word" not in text and "hunter2" not in text and "AKIAXYZ" not in text, text
-    assert recorded["data"]["storage"]["endpoint_url"] == "https://<redacted>@s3.example.com:9000"
-    assert config.data.storage.credentials()["secret"] == "hunter2"  # still there for this process
+    assert recorded["storage"]["endpoint_url"] == "https://<redacted>@s3.example.com:9000"
+    assert config.storage.credentials()["secret"] == "hunter2"  # still there for this process
 
 
 def test_unsealed_credentials_refuse_to_travel_while_ray_runs(monkeypatch):
     import pickle
 
-    from rayllm import credentials
+    from rayllm.io import credentials
 
-    storage = TrainConfig.from_dict({}, overrides=["data.storage.secret=hunter2"]).data.storage
+    storage = TrainConfig.from_dict({}, overrides=["storage.secret=hunter2"]).storage
     assert b"hunter2" in pickle.dumps(storage)  # without Ray (torchrun, spawn): passed as is
     monkeypatch.setattr(credentials, "ray_running_here", lambda: True)
     with pytest.raises(RuntimeError, match="sealed"):
@@ -99,7 +99,7 @@ def test_unsealed_credentials_refuse_to_travel_while_ray_runs(monkeypatch):
 
 def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():
     import rayllm
-    import rayllm.trainer.launch  # noqa: F401  (what a first train() call imports)
+    import rayllm.runtime.launch  # noqa: F401  (what a first train() call imports)
 
     assert callable(rayllm.train) and rayllm.train.__module__ == "rayllm"
 
@@ -198,11 +198,11 @@ def test_range_messages_are_one_line_naming_key_value_range_and_fix():
 # -- resolve: model.init_from is read on the driver, never in validation ---------------------------
 def test_validation_reads_no_model_folder(tmp_path):
     config = TrainConfig.from_dict({}, overrides=[f"model.init_from={tmp_path / 'nowhere'}", "model.dim=999"])
-    assert config.model.dim == 999  # the YAML's, until rayllm.resolve reads the folder
+    assert config.model.dim == 999  # the YAML's, until rayllm.config.resolve reads the folder
 
 
 def test_resolve_takes_the_shape_and_tokenizer_from_the_folder(tmp_path):
-    from rayllm.resolve import resolve
+    from rayllm.config.resolve import resolve
 
     folder = hf_folder(tmp_path / "hf")
     config = TrainConfig.from_dict({}, overrides=[f"model.init_from={folder}", "model.dim=999", "data.seq_len=128"])
@@ -217,7 +217,7 @@ def test_resolve_takes_the_shape_and_tokenizer_from_the_folder(tmp_path):
 
 
 def test_resolve_refuses_a_sequence_longer_than_the_folders_context(tmp_path):
-    from rayllm.resolve import resolve
+    from rayllm.config.resolve import resolve
 
     folder = hf_folder(tmp_path / "hf", max_positions=128)
     config = TrainConfig.from_dict({}, overrides=[f"model.init_from={folder}", "data.seq_len=256"])
@@ -237,7 +237,7 @@ def test_resolve_refuses_a_sequence_longer_than_the_folders_context(tmp_path):
     ],
 )
 def test_resolve_names_a_folder_it_cannot_use(tmp_path, changes, expected):
-    from rayllm.resolve import resolve
+    from rayllm.config.resolve import resolve
 
     config = TrainConfig.from_dict({}, overrides=[f"model.init_from={hf_folder(tmp_path / 'hf', **changes)}"])
     with pytest.raises(ConfigError, match=expected):
@@ -259,7 +259,7 @@ def test_rayllm_config_prints_the_resolved_tree(tmp_path, capsys):
 
 # -- a validation set smaller than one global batch ------------------------------------------------
 def test_a_validation_set_smaller_than_one_global_batch_is_refused_before_workers(overrides, tmp_path):
-    from rayllm.data.plan import prepare_data
+    from rayllm.data.discover import prepare_data
 
     (tmp_path / "val").mkdir()
     (tmp_path / "val" / "tiny.jsonl").write_text(json.dumps({"text": "def f(x):\n    return x + 1\n" * 12}) + "\n")

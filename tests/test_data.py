@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from rayllm.config import StorageSettings
-from rayllm.data.groups import GroupPacker, group_members
-from rayllm.data.order import StreamPlan, local_stream, rank_slice
+from rayllm.data.order import StreamSpec, local_stream, rank_slice
 from rayllm.data.packing import pack
+from rayllm.data.shard_groups import GroupPacker, group_members
 from rayllm.data.shards import iter_documents
-from rayllm.data.source import ID_FIELDS, ShardPacker, SourcePlan
+from rayllm.data.source import ID_FIELDS, ShardPacker, SourceSpec
 from rayllm.errors import DataError
+from rayllm.io.settings import StorageSettings
 
 S = StorageSettings()
 
@@ -64,7 +64,7 @@ def take(n, iterator):
 
 
 def _source(corpus, tokenizer_file, index=0, weight=1.0, name="train", folder="train"):
-    return SourcePlan(
+    return SourceSpec(
         name=name,
         shards=sorted(str(p) for p in (corpus / folder).glob("*.jsonl")),
         weight=weight,
@@ -78,7 +78,7 @@ def _source(corpus, tokenizer_file, index=0, weight=1.0, name="train", folder="t
 
 
 def _plan(corpus, tokenizer_file, window=32, sources=None):
-    return StreamPlan(sources=sources or [_source(corpus, tokenizer_file)], window=window, seed=7)
+    return StreamSpec(sources=sources or [_source(corpus, tokenizer_file)], window=window, seed=7)
 
 
 def test_epochs_reshuffle_shards_by_seed(corpus, tokenizer_file):
@@ -259,12 +259,12 @@ def _distinct_shards_per_batch(plan, global_batch):
 def test_each_global_batch_mixes_many_shards(tmp_path, tokenizer_file):
     """With the defaults, a batch of 64 draws from most of a 32-shard corpus, not from one or two shards."""
     from rayllm.config import DataSettings
-    from rayllm.storage import list_shards
+    from rayllm.io.storage import list_shards
 
     _write_shards(tmp_path / "c", 32, np.random.default_rng(0))
     listed = list_shards(str(tmp_path / "c"), S, "test")
     defaults = DataSettings()
-    source = SourcePlan(
+    source = SourceSpec(
         name="train",
         shards=[u for u, _ in listed],
         sizes=[n for _, n in listed],
@@ -276,7 +276,7 @@ def test_each_global_batch_mixes_many_shards(tmp_path, tokenizer_file):
         seed=7,
         mix=defaults.mix_shards,
     )
-    plan = StreamPlan(sources=[source], window=defaults.shuffle_window, seed=7)
+    plan = StreamSpec(sources=[source], window=defaults.shuffle_window, seed=7)
     batch, open_shards = 64, min(defaults.mix_shards, 32)
     # Expected distinct shards in a batch drawn evenly from the open shards: S * (1 - (1 - 1/S)^B).
     even = open_shards * (1 - (1 - 1 / open_shards) ** batch)

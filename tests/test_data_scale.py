@@ -7,9 +7,9 @@ import time
 import pytest
 
 from rayllm import TrainConfig
-from rayllm.data.groups import groups_per_epoch
+from rayllm.data.discover import prepare_data
 from rayllm.data.order import DataState, local_stream
-from rayllm.data.plan import prepare_data
+from rayllm.data.shard_groups import groups_per_epoch
 
 SHARDS = 100_000
 BOUND_S = 30.0  # generous for a loaded 2-core CI machine; the figure on this machine goes in docs/data.md

@@ -10,8 +10,8 @@ import pytest
 from conftest import kill_actor_after, s3_client
 
 from rayllm import TrainConfig, train
+from rayllm.data.discover import prepare_data
 from rayllm.data.order import local_stream
-from rayllm.data.plan import prepare_data
 
 pytestmark = pytest.mark.slow
 G = 8
@@ -36,10 +36,10 @@ def write_small_corpus(s3_server: str, bucket: str, key: str = "testing", secret
         s3.put_object(Bucket=bucket, Key=f"small/part-{s}.jsonl", Body="".join(lines).encode())
     return [
         f"data.train=s3://{bucket}/small",
-        f"data.storage.endpoint_url={s3_server}",
-        f"data.storage.key={key}",
-        f"data.storage.secret={secret}",
-        "data.storage.region=us-east-1",
+        f"storage.endpoint_url={s3_server}",
+        f"storage.key={key}",
+        f"storage.secret={secret}",
+        "storage.region=us-east-1",
     ]
 
 

@@ -19,9 +19,9 @@ from conftest import TEST_MODEL, kill_actor_after
 from test_exactly_once import G, ids_of, write_small_corpus
 
 from rayllm import RayllmError, TrainConfig, train
+from rayllm.data.discover import prepare_data
 from rayllm.data.order import local_stream
-from rayllm.data.plan import prepare_data
-from rayllm.data.serve import MAX_DEPTH
+from rayllm.data.stream.server import MAX_DEPTH
 
 pytestmark = pytest.mark.slow
 KEY, SECRET = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e"
@@ -96,7 +96,7 @@ def test_credentials_reach_no_file_log_state_or_repr(marked_run):
     state = repr(list_actors(detail=True, limit=10000)) + repr(list_tasks(detail=True, limit=10000))
     assert KEY not in state and SECRET not in state
     config = marked_run["config"]
-    for shown in (repr(config), str(config.data), repr(config.data.storage), repr(prepare_data(config).train)):
+    for shown in (repr(config), str(config.data), repr(config.storage), repr(prepare_data(config).train)):
         assert KEY not in shown and SECRET not in shown
 
 
@@ -126,8 +126,8 @@ def test_an_error_that_repeats_at_the_same_step_ends_the_run_after_two_attempts(
 def test_a_stalled_data_stream_is_an_error_naming_the_wait(ray_local):
     import ray
 
-    from rayllm.data.relay import served_batches
-    from rayllm.data.stream_protocol import DataStreamLost
+    from rayllm.data.stream.protocol import DataStreamLost
+    from rayllm.data.stream.relay import served_batches
 
     @ray.remote(num_cpus=0)
     class Stalled:

@@ -74,7 +74,7 @@ def test_the_driver_reports_in_memory_checkpoints_and_resumes_from_them(tmp_path
     import io
 
     from rayllm import TrainConfig
-    from rayllm.trainer.monitor import RunMonitor
+    from rayllm.runtime.monitor import RunMonitor
 
     config = TrainConfig.from_yaml(
         "configs/tiny.yaml", overrides=[f"run.dir={tmp_path}", "tracking.enabled=false", "train.max_steps=10"]

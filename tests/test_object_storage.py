@@ -18,8 +18,8 @@ import pytest
 from conftest import TEST_MODEL, free_port, s3_client
 
 from rayllm import DataError, TrainConfig
+from rayllm.data.discover import prepare_data
 from rayllm.data.order import DataState, local_stream, open_stream
-from rayllm.data.plan import prepare_data
 
 pytestmark = pytest.mark.slow
 
@@ -84,12 +84,12 @@ def auth_s3(tmp_path_factory):
 def test_bad_credentials_are_a_clear_error(auth_s3, corpus, tmp_path):
     endpoint, key, secret = auth_s3
     upload_corpus(s3_client(endpoint, key, secret), "private", corpus)
-    common = ["data.train=s3://private/corpus", f"data.storage.endpoint_url={endpoint}", f"run.dir={tmp_path / 'r'}"]
+    common = ["data.train=s3://private/corpus", f"storage.endpoint_url={endpoint}", f"run.dir={tmp_path / 'r'}"]
     # The right key reads the shards (the same server, so the failures below are the credentials').
     assert (
         len(
             prepare_data(
-                config(tmp_path, *common, f"data.storage.key={key}", f"data.storage.secret={secret}"),
+                config(tmp_path, *common, f"storage.key={key}", f"storage.secret={secret}"),
                 log=lambda *_: None,
             )
             .train.sources[0]
@@ -98,11 +98,11 @@ def test_bad_credentials_are_a_clear_error(auth_s3, corpus, tmp_path):
         == 3
     )
     for creds in (
-        ["data.storage.key=AKIANOSUCHKEY", "data.storage.secret=x"],
-        [f"data.storage.key={key}", "data.storage.secret=wrong"],
+        ["storage.key=AKIANOSUCHKEY", "storage.secret=x"],
+        [f"storage.key={key}", "storage.secret=wrong"],
     ):
         message = error_line(cli_train(*common, *creds))
-        assert "s3://private/corpus" in message and "access denied" in message and "data.storage" in message, message
+        assert "s3://private/corpus" in message and "access denied" in message and "storage" in message, message
         assert "wrong" not in message  # the secret is not echoed
 
 
@@ -110,9 +110,9 @@ def test_nonexistent_bucket_is_named(s3_server, tmp_path):
     message = error_line(
         cli_train(
             "data.train=s3://no-such-bucket/corpus",
-            f"data.storage.endpoint_url={s3_server}",
-            "data.storage.key=testing",
-            "data.storage.secret=testing",
+            f"storage.endpoint_url={s3_server}",
+            "storage.key=testing",
+            "storage.secret=testing",
             f"run.dir={tmp_path / 'r'}",
         )
     )
@@ -124,8 +124,8 @@ def test_anonymous_reads_of_a_public_bucket(s3_server, corpus, tokenizer_file, t
     anon = config(
         tmp_path,
         "data.train=s3://public-corpus/corpus",
-        f"data.storage.endpoint_url={s3_server}",
-        "data.storage.anon=true",
+        f"storage.endpoint_url={s3_server}",
+        "storage.anon=true",
         f"data.tokenizer={tokenizer_file}",
     )
     local = config(tmp_path, f"data.train={corpus / 'train'}", f"data.tokenizer={tokenizer_file}")
@@ -157,7 +157,7 @@ def test_any_fsspec_scheme_here_plain_http(corpus, tokenizer_file, tmp_path):
 def test_shard_deleted_after_listing_on_s3_through_ray_data(
     ray_local, s3_server, corpus, tokenizer_file, tmp_path, mode
 ):
-    from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+    from rayllm.data.stream.pipeline import configure_ray_data, ray_chunks
 
     s3 = s3_client(s3_server)
     bucket = f"deleted-{mode}"
@@ -165,14 +165,14 @@ def test_shard_deleted_after_listing_on_s3_through_ray_data(
     cfg = config(
         tmp_path,
         f"data.train=s3://{bucket}/corpus",
-        f"data.storage.endpoint_url={s3_server}",
-        "data.storage.key=testing",
-        "data.storage.secret=testing",
+        f"storage.endpoint_url={s3_server}",
+        "storage.key=testing",
+        "storage.secret=testing",
         f"data.tokenizer={tokenizer_file}",
         f"data.on_bad_shard={mode}",
     )
-    # Ray Data tasks get sealed settings: the credentials travel as a Ray object (rayllm.credentials).
-    plan = prepare_data(cfg, log=lambda *_: None).with_storage(cfg.data.storage.sealed()).train
+    # Ray Data tasks get sealed settings: the credentials travel as a Ray object (rayllm.io.credentials).
+    plan = prepare_data(cfg, log=lambda *_: None).with_storage(cfg.storage.sealed()).train
     gone = plan.sources[0].shards[1]
     s3.delete_object(Bucket=bucket, Key=gone.removeprefix(f"s3://{bucket}/"))
     configure_ray_data()
@@ -200,8 +200,8 @@ def test_s3_opens_in_a_process_whose_aiohttp_import_was_cut_short():
         "del sys.modules['aiohttp']\n"
         "import aiohttp\n"
         "assert not hasattr(aiohttp, 'http_exceptions')\n"
-        "from rayllm.config import StorageSettings\n"
-        "from rayllm.storage import filesystem\n"
+        "from rayllm.io.settings import StorageSettings\n"
+        "from rayllm.io.storage import filesystem\n"
         "fs, _ = filesystem('s3://bucket/x', StorageSettings(endpoint_url='http://127.0.0.1:9', anon=True))\n"
         "print(type(fs).__name__)\n"
     )

@@ -133,7 +133,7 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
     import ray.train
 
     from rayllm.parallel.layout import usable_world_sizes
-    from rayllm.trainer.ray_trainer import WholeLayoutsPolicy
+    from rayllm.runtime.ray_trainer import WholeLayoutsPolicy
 
     c = _config("parallel.tp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1")
     usable = usable_world_sizes(c.parallel, 2, 8, 16, 1)

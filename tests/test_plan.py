@@ -10,7 +10,7 @@ import pytest
 from rayllm.cli import main
 from rayllm.config import TrainConfig
 from rayllm.parallel.layout import Layout, resolve_layout
-from rayllm.parallel.plan import plan_memory
+from rayllm.parallel.planner import plan_memory
 
 LLAMA_8B_PARAMS = 8_030_261_248  # Meta's published count for Llama 3.1 8B
 LLAMA_70B_SHAPE = [

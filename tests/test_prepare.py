@@ -398,7 +398,7 @@ def _train_config(data_path: str, run_dir: Path, *extra: str):
 def test_trainer_streams_pre_tokenised_shards_exactly_as_the_text_they_came_from(local_run, tokenizer_path, tmp_path):
     """The token folder needs no data.tokenizer (prepare leaves ``_tokenizer.json`` beside it),
     the text folder's ``_report.json`` is not taken for a shard, and both give the same sequences."""
-    from rayllm.data.plan import prepare_data
+    from rayllm.data.discover import prepare_data
 
     config, _, _ = local_run
     text_cfg = _train_config(config.output.path, tmp_path / "text", f"data.tokenizer={tokenizer_path}")
@@ -433,7 +433,7 @@ def _first_epoch(plan) -> dict:
 def test_pre_tokenised_shards_without_their_tokenizer_are_a_clear_error(local_run, tmp_path):
     import shutil
 
-    from rayllm.data.plan import prepare_data
+    from rayllm.data.discover import prepare_data
 
     config, _, _ = local_run
     copy = tmp_path / "tokens"

@@ -1,4 +1,4 @@
-"""Node relays between the stream server and the ranks (rayllm/data/relay.py), on a real local
+"""Node relays between the stream server and the ranks (rayllm/data/stream/relay.py), on a real local
 Ray: every rank gets exactly its slice of every step through its node's relay, the server
 answers relays (one call per node per batch of ready steps), never ranks, and a relay's or the
 server's loss is a ``DataStreamLost`` naming which one died. The server outlives attempts: a
@@ -18,7 +18,7 @@ G, WORLD, PER_NODE, STEPS = 16, 4, 2, 40
 def numbered_server():
     """A StreamServer whose global batch of step s is the row numbers s*G .. s*G+G-1."""
     from rayllm.data.order import DataState
-    from rayllm.data.serve import StreamServer
+    from rayllm.data.stream.server import StreamServer
 
     class Numbered(StreamServer):
         opened = 0  # times the sources were (re)started
@@ -37,7 +37,7 @@ def numbered_server():
 def start(ray, keep_behind: int = 0, depth: int = 4):
     """A server begun at attempt 1 and a relay per simulated node (the same relays at every
     attempt, as the server keeps its own)."""
-    from rayllm.data.relay import NodeRelay
+    from rayllm.data.stream.relay import NodeRelay
 
     server = (
         ray.remote(numbered_server()).options(num_cpus=0, max_concurrency=100).remote(None, G, 0, keep_behind, depth)
@@ -71,7 +71,7 @@ def take(batches: dict, steps: int) -> dict[int, list]:
 
 
 def open_ranks(relays, attempt: int = 1, world: int = WORLD) -> dict:
-    from rayllm.data.relay import served_batches
+    from rayllm.data.stream.relay import served_batches
 
     return {rank: served_batches(relays[rank // PER_NODE], attempt, PER_NODE, rank, 30) for rank in range(world)}
 
@@ -103,7 +103,7 @@ def test_every_rank_gets_its_slice_of_every_step_through_its_nodes_relay(ray_loc
 def test_a_lost_relay_or_server_is_a_data_stream_lost_naming_it(ray_local, victim):
     import ray
 
-    from rayllm.data.stream_protocol import DataStreamLost
+    from rayllm.data.stream.protocol import DataStreamLost
 
     server, relays = start(ray)
     batches = open_ranks(relays)
@@ -128,7 +128,7 @@ def test_a_new_attempt_among_the_kept_steps_is_served_from_the_running_stream(ra
     Attempt 1's calls are refused by the server and by the relays."""
     import ray
 
-    from rayllm.data.stream_protocol import DataStreamLost
+    from rayllm.data.stream.protocol import DataStreamLost
 
     server, relays = start(ray, keep_behind=6)
     take(open_ranks(relays), 12)
@@ -171,7 +171,7 @@ def test_the_run_keeps_one_relay_per_node_for_every_attempt_and_it_outlives_the_
     dead server leaves it alive to name the server as what was lost."""
     import ray
 
-    from rayllm.trainer.control import RunControl
+    from rayllm.runtime.control import RunControl
 
     server, _ = start(ray)
     control = ray.remote(RunControl).options(num_cpus=0).remote()
@@ -193,7 +193,7 @@ def test_the_run_keeps_one_relay_per_node_for_every_attempt_and_it_outlives_the_
 
 
 def test_a_nodes_worth_of_slices_per_object_only_when_nodes_hold_contiguous_equal_runs_of_ranks():
-    from rayllm.data.relay import slices_per_object
+    from rayllm.data.stream.relay import slices_per_object
 
     assert slices_per_object(["a", "a", "b", "b"], ranks_per_slice=1) == 2
     assert slices_per_object(["a"] * 8 + ["b"] * 8, ranks_per_slice=2) == 4  # TP pairs share a slice

@@ -27,10 +27,10 @@ def test_train_from_s3_with_checkpoints_on_s3_and_resume(ray_local, s3_server, b
         *TEST_MODEL,
         "data.train=s3://rayllm-test/corpus/train",
         "data.val=s3://rayllm-test/corpus/val/part-0.parquet",
-        f"data.storage.endpoint_url={s3_server}",
-        "data.storage.key=testing",
-        "data.storage.secret=testing",
-        "data.storage.region=us-east-1",
+        f"storage.endpoint_url={s3_server}",
+        "storage.key=testing",
+        "storage.secret=testing",
+        "storage.region=us-east-1",
         "run.dir=s3://rayllm-test/runs/s3run",
         "train.max_steps=4",
         "train.log_every=1",
@@ -71,17 +71,17 @@ def test_init_from_a_folder_on_s3_gives_its_loss_at_the_first_step(s3_server, bu
     import torch
     from test_torchrun import losses, torchrun
 
+    from rayllm.checkpoint.hf import save_hf
+    from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
-    from rayllm.data.plan import prepare_data
-    from rayllm.hf import save_hf
+    from rayllm.loop.trainer import model_args
     from rayllm.model import Llama
-    from rayllm.trainer.loop import model_args
 
     storage = [
-        f"data.storage.endpoint_url={s3_server}",
-        "data.storage.key=testing",
-        "data.storage.secret=testing",
-        "data.storage.region=us-east-1",
+        f"storage.endpoint_url={s3_server}",
+        "storage.key=testing",
+        "storage.secret=testing",
+        "storage.region=us-east-1",
     ]
     run = [*overrides, *storage, "train.max_steps=2", "train.log_every=1", "tracking.enabled=false"]
     run += ["data.val=null", "train.sample_tokens=0", "cluster.use_gpu=false"]

@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from rayllm import TrainConfig
 from rayllm.bench.speed import run_ranks
 from rayllm.errors import ConfigError
+from rayllm.loop.trainer import build_optimizer, model_args
 from rayllm.model import Llama
 from rayllm.parallel.apply import parallelize
-from rayllm.trainer.loop import build_optimizer, model_args
 
 
 def _config(*overrides: str) -> TrainConfig:

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from rayllm.config import StorageSettings
 from rayllm.data import encode
 from rayllm.data.encode import HEADROOM, SIZE_PERIOD_S, TaskSizer, TokenizePool
-from rayllm.data.groups import GroupPacker
-from rayllm.data.source import SourcePlan
+from rayllm.data.shard_groups import GroupPacker
+from rayllm.data.source import SourceSpec
+from rayllm.io.settings import StorageSettings
 
 
 class Clock:
@@ -74,7 +74,7 @@ def _tiny_plan(tmp_path, tokenizer_file, on_bad_shard="error"):
         path = tmp_path / f"part-{i}.jsonl"
         path.write_text("\n".join(lines) + "\n")
         shards.append(str(path))
-    return SourcePlan(
+    return SourceSpec(
         name="train",
         shards=shards,
         weight=1.0,

@@ -112,8 +112,8 @@ def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(
     import numpy as np
 
     from rayllm import TrainConfig
+    from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
-    from rayllm.data.plan import prepare_data
 
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
     (tmp_path / "small").mkdir()

@@ -22,7 +22,7 @@ import pytest
 from conftest import free_port
 
 from rayllm import TrainConfig, train
-from rayllm.tracking import Tracker
+from rayllm.runtime.tracking import Tracker
 
 pytestmark = pytest.mark.slow
 STEPS = 60
@@ -164,7 +164,7 @@ def test_a_tracking_server_that_never_comes_back_does_not_keep_the_run_from_endi
     script = f"""
 import sys, time
 from rayllm.config import TrainConfig
-from rayllm.tracking import Tracker
+from rayllm.runtime.tracking import Tracker
 config = TrainConfig.from_dict({{}}, ["tracking.repo=aim://127.0.0.1:{port}", "run.dir={tmp_path / "run"}",
                                       "tracking.flush_timeout_s=3"])
 tracker = Tracker(config)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rayllm import RayllmError, TrainConfig, train
-from rayllm.trainer.monitor import TRAIN_METRICS
+from rayllm.runtime.monitor import TRAIN_METRICS
 
 pytestmark = pytest.mark.slow
 

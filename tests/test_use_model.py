@@ -16,11 +16,11 @@ import torch
 from conftest import TEST_MODEL, s3_client, torchrun_cmd
 
 import rayllm
-import rayllm.hf
+import rayllm.checkpoint.hf
 from rayllm import CheckpointError, ConfigError, TrainConfig
+from rayllm.config.resolve import resolve
 from rayllm.model.generate import Sampling, generate
 from rayllm.model.sampling import greedy_continuations
-from rayllm.resolve import resolve
 
 transformers = pytest.importorskip("transformers")  # a test extra, never a runtime dependency
 
@@ -179,7 +179,7 @@ def test_import_of_a_transformers_llama_gives_its_logits(tmp_path, tokenizer_fil
         assert (loaded.model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
     assert loaded.args.rope_scaling_factor == rope.get("factor", 1.0)
     # And back out: the export of the import is the same model to transformers.
-    rayllm.hf.save_hf(loaded.model, None, str(tmp_path / "again"), None, None)
+    rayllm.checkpoint.hf.save_hf(loaded.model, None, str(tmp_path / "again"), None, None)
     again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32).eval()
     with torch.no_grad():
         assert (again(ids).logits - hf(ids).logits).abs().max().item() <= 1e-4
@@ -263,7 +263,7 @@ def test_bad_paths_other_shapes_and_non_llama_folders_are_named(trained, tmp_pat
 
 
 def test_generate_from_a_checkpoint_on_s3(trained, model, s3_server, monkeypatch):
-    from rayllm.config import StorageSettings
+    from rayllm.io.settings import StorageSettings
 
     s3 = s3_client(s3_server)
     s3.create_bucket(Bucket="ckpts")
@@ -280,7 +280,7 @@ def test_generate_from_a_checkpoint_on_s3(trained, model, s3_server, monkeypatch
 @pytest.mark.slow
 def test_eval_on_ray_workers_equals_one_process(ray_local, trained, model, corpus, capsys):
     from rayllm.cli import main
-    from rayllm.evaluate import evaluate, evaluate_local
+    from rayllm.use.evaluate import evaluate, evaluate_local
 
     shards = str(corpus / "train")
     distributed = evaluate(str(trained), shards, workers=2)

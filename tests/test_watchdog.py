@@ -6,8 +6,8 @@ import threading
 import time
 
 from rayllm.config import TrainConfig
-from rayllm.trainer.stragglers import Stragglers
-from rayllm.trainer.watchdog import SLOW_PHASE_S, step_deadline, summary_line, where
+from rayllm.loop.watchdog import SLOW_PHASE_S, step_deadline, summary_line, where
+from rayllm.runtime.stragglers import Stragglers
 
 
 def test_the_deadline_is_the_configured_one_or_a_multiple_of_the_median_step_with_a_floor():

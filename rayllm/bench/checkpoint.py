@@ -97,7 +97,7 @@ def _run(config: str, overrides: list[str], workers: int, run_dir: str, extra: l
         "--standalone",
         f"--nproc_per_node={workers}",
         "-m",
-        "rayllm.trainer.torchrun",
+        "rayllm.runtime.torchrun",
         config,
         *BENCH_OVERRIDES,
         *overrides,

@@ -24,14 +24,14 @@ from typing import Any
 import numpy as np
 
 from rayllm.config import TrainConfig
+from rayllm.data.discover import prepare_data
 from rayllm.data.encode import JOB_DOCS
-from rayllm.data.order import DataState, StreamPlan, open_stream
-from rayllm.data.plan import prepare_data
+from rayllm.data.order import DataState, StreamSpec, open_stream
 
 _RAW_SCRIPT = r"""
 import itertools, json, sys, time
 from tokenizers import Tokenizer
-from rayllm.config import StorageSettings
+from rayllm.io.settings import StorageSettings
 from rayllm.data.shards import iter_documents
 args = json.loads(sys.stdin.read())
 storage = StorageSettings(**args["storage"])
@@ -46,7 +46,7 @@ print(json.dumps({"tokens": tokens, "seconds": seconds, "chars": sum(map(len, do
 """
 
 
-def raw_encode(plan: StreamPlan, threads: int | None, epochs: int, processes: int = 1) -> dict[str, Any]:
+def raw_encode(plan: StreamSpec, threads: int | None, epochs: int, processes: int = 1) -> dict[str, Any]:
     """encode_batch over every training document, in a fresh process with ``threads`` tokenizer threads;
     with ``processes`` > 1, that many such processes at once (each on all the text), tokens/s summed."""
     src = plan.sources[0]
@@ -82,9 +82,9 @@ def raw_encode(plan: StreamPlan, threads: int | None, epochs: int, processes: in
     return {**first, "tokens_per_s": sum(r["tokens"] / r["seconds"] for r in results)}
 
 
-def pipeline(plan: StreamPlan, cpus: int, global_batch: int, epochs: int) -> dict[str, Any]:
+def pipeline(plan: StreamSpec, cpus: int, global_batch: int, epochs: int) -> dict[str, Any]:
     """The Ray path over ``epochs`` epochs of every source, consumed as fast as it is produced."""
-    from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+    from rayllm.data.stream.pipeline import configure_ray_data, ray_chunks
 
     configure_ray_data()
     # The shard list repeated ``epochs`` times, read as one pass: the same text as the baseline.

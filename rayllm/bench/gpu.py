@@ -44,6 +44,7 @@ from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 from rayllm.errors import RayllmError
 from rayllm.hardware import matmul_peak_flops, peak_resident_bytes, reset_peak_resident, resident_bytes
+from rayllm.loop.trainer import Trainer, build_optimizer, model_args
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel import gpus
 from rayllm.parallel.apply import compute_dtype, should_compile
@@ -52,7 +53,6 @@ from rayllm.parallel.init import materialize
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.mesh import build_mesh, tp_mesh
 from rayllm.parallel.tp import apply_tp
-from rayllm.trainer.loop import Trainer, build_optimizer, model_args
 
 # configs/llama-1b-1gpu.yaml's model and micro-batch (tests/test_bench_gpu.py keeps them equal).
 FULL = """model.dim=2048 model.n_layers=16 model.n_heads=32 model.n_kv_heads=8 model.vocab_size=128256
@@ -131,7 +131,7 @@ def _all_reduce(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> flo
 def _planned(config: TrainConfig, gpu: str | None, world: int, layout: Layout) -> dict[str, Any]:
     """The planner's bytes per GPU for this run, or why there are none (it is written alongside)."""
     try:
-        from rayllm.parallel.plan import plan_memory
+        from rayllm.parallel.planner import plan_memory
 
         plan = plan_memory(
             config, gpu=gpu, nodes=1, gpus_per_node=world, layout=layout, micro_batch=config.train.micro_batch_size

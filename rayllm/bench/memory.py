@@ -115,9 +115,9 @@ def _object_store_used() -> float:
 
 
 def run(config, cpus: int, gigabytes: float, object_store_mb: int, root: str) -> dict[str, Any]:
+    from rayllm.data.discover import prepare_data
     from rayllm.data.order import DataState, open_stream
-    from rayllm.data.plan import prepare_data
-    from rayllm.data.ray_stream import configure_ray_data, ray_chunks
+    from rayllm.data.stream.pipeline import configure_ray_data, ray_chunks
 
     started = time.perf_counter()
     shards = generate_corpus(Path(root), int(gigabytes * 1e9))

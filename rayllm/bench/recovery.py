@@ -70,7 +70,7 @@ def _latest_step(run_dir: str) -> int:
 
 def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> Result:
     from rayllm.ray_runtime import connect_ray
-    from rayllm.trainer.launch import train
+    from rayllm.runtime.launch import train
 
     if config.cluster.max_failures < 1:
         raise RayllmError("bench recovery needs cluster.max_failures >= 1 (the run must survive the kill)")

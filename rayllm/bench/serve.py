@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from rayllm.config import StorageSettings
-from rayllm.data.order import DataState, StreamPlan, open_stream, rank_slice
-from rayllm.data.source import RECORD_DTYPE_FIELDS, SourcePlan
+from rayllm.data.order import DataState, StreamSpec, open_stream, rank_slice
+from rayllm.data.source import RECORD_DTYPE_FIELDS, SourceSpec
+from rayllm.io.settings import StorageSettings
 
 RANKS = (1, 8, 64, 256, 1024)
 PER_NODE = 8  # ranks per simulated node (GPUs per host)
@@ -70,26 +70,26 @@ def _tokenizer_json() -> str:
     return tok.train_bpe(["alpha beta gamma delta"] * 8, 300).to_str()
 
 
-def _stream(plan: StreamPlan | int, global_batch: int, parallelism: int):
+def _stream(plan: StreamSpec | int, global_batch: int, parallelism: int):
     """The global batches a server serves: the plan's (pre-tokenised shards through Ray Data and
     the global order), or for a sequence length one batch over and over (serving alone)."""
-    if isinstance(plan, StreamPlan):
-        from rayllm.data.ray_stream import ray_chunks
+    if isinstance(plan, StreamSpec):
+        from rayllm.data.stream.pipeline import ray_chunks
 
         return open_stream(plan, DataState(), consumed=0, global_batch=global_batch, chunks=ray_chunks(parallelism))
     rows = np.zeros(global_batch, dtype=[("tokens", np.int32, (plan + 1,)), *RECORD_DTYPE_FIELDS])
     return itertools.repeat((rows, DataState()))
 
 
-def _seq_len(plan: StreamPlan | int) -> int:
-    return plan.sources[0].seq_len if isinstance(plan, StreamPlan) else plan
+def _seq_len(plan: StreamSpec | int) -> int:
+    return plan.sources[0].seq_len if isinstance(plan, StreamSpec) else plan
 
 
 class PerRankQueues:
     """The design before issue 18, kept here as the baseline: a thread and a queue per rank."""
 
     def __init__(self, plan, global_batch: int, world_size: int, parallelism: int, depth: int = 4):
-        from rayllm.data.ray_stream import configure_ray_data
+        from rayllm.data.stream.pipeline import configure_ray_data
 
         configure_ray_data()
         self._queues = [queue.Queue(maxsize=depth) for _ in range(world_size)]
@@ -117,7 +117,7 @@ class PerRankQueues:
 
 
 def _object_store_server():
-    from rayllm.data.serve import StreamServer
+    from rayllm.data.stream.server import StreamServer
 
     class BenchStreamServer(StreamServer):
         def _stream(self, state, consumed):
@@ -134,7 +134,7 @@ class Consumer:
     at first untimed (actors and pipelines starting), then timed up to step ``1 + steps``."""
 
     async def run(self, server, design: str, ranks: list[int], world: int, steps: int, per_node: int) -> dict[str, Any]:
-        from rayllm.data.relay import NodeRelay
+        from rayllm.data.stream.relay import NodeRelay
 
         # A relay per node (``node relays``) or per rank (``object store``: every rank asks the server).
         group = per_node if design == "node relays" else 1
@@ -196,7 +196,7 @@ class Consumer:
         return {"waits": waits, "tokens": tokens, "seconds": seconds, "server_calls": calls}
 
 
-def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers: int, parallelism: int) -> dict:
+def _one(design: str, plan: StreamSpec | int, world: int, steps: int, consumers: int, parallelism: int) -> dict:
     import ray
 
     global_batch = max(world, 256)
@@ -232,7 +232,7 @@ def _one(design: str, plan: StreamPlan | int, world: int, steps: int, consumers:
     seconds = max(r["seconds"] for r in results)
     return {
         "design": design,
-        "source": "shards" if isinstance(plan, StreamPlan) else "memory",
+        "source": "shards" if isinstance(plan, StreamSpec) else "memory",
         "ranks": world,
         "tokens_per_s": served / seconds,
         "p50_ms": 1000 * statistics.median(waits),
@@ -260,7 +260,7 @@ def run(
     root = Path(tempfile.mkdtemp(prefix="rayllm-bench-serve-"))
     needed = max(max(ranks), 256) * (steps + 40) * (seq_len + 1)  # each design reads from the start
     shards = write_token_shards(root, 32, needed // 32 + seq_len * 4, seq_len)
-    source = SourcePlan(
+    source = SourceSpec(
         name="bench",
         shards=shards,
         weight=1.0,
@@ -273,7 +273,7 @@ def run(
         sizes=[os.path.getsize(s) for s in shards],
         epochs_per_pass=2,
     )
-    plan = StreamPlan(sources=[source], window=1, seed=0)
+    plan = StreamSpec(sources=[source], window=1, seed=0)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 (shared NOTES)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from rayllm.bench.speed_args import HELP, add_arguments
 from rayllm.config import TrainConfig
+from rayllm.config.resolve import resolve
 from rayllm.data.order import rank_slice
 from rayllm.data.source import RECORD_DTYPE_FIELDS
 from rayllm.errors import RayllmError
@@ -54,7 +55,6 @@ from rayllm.hardware import (
 )
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel.apply import compute_dtype, should_compile
-from rayllm.resolve import resolve
 
 MEMORY_VARIANTS = {
     "plain": [],
@@ -105,12 +105,12 @@ class _StepSession:
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.local_world_size = world_size
-        self.train_plan = types.SimpleNamespace(sources=[None])
-        self.val_plan = None
+        self.train_spec = types.SimpleNamespace(sources=[None])
+        self.val_spec = None
 
 
 def _trainer(config: TrainConfig, rank: int, world_size: int, device: torch.device):
-    from rayllm.trainer.loop import Trainer
+    from rayllm.loop.trainer import Trainer
 
     return Trainer(config, _StepSession(rank, world_size, device))
 
@@ -119,7 +119,7 @@ class BareLoop:
     """The baseline: the training step as a PyTorch user writes it, without rayllm."""
 
     def __init__(self, config: TrainConfig, device: torch.device):
-        from rayllm.trainer.loop import model_args
+        from rayllm.loop.trainer import model_args
 
         t = config.train
         self.device, self.micro = device, t.micro_batch_size

@@ -20,15 +20,15 @@ import numpy as np
 
 from rayllm.bench.data import raw_encode
 from rayllm.config import TrainConfig
+from rayllm.data.discover import prepare_data
 from rayllm.data.order import DataState, open_stream
-from rayllm.data.plan import prepare_data
 
 BATCH_ROWS = 64  # rows per simulated global batch
 
 
 def paced(plan, demand: float, seconds: float, tokenize_tasks: int) -> dict[str, Any]:
     """Consume ``plan`` at ``demand`` tokens/s for ``seconds`` after the first batch."""
-    from rayllm.data.ray_stream import DATA_TASK_CPUS, ray_chunks
+    from rayllm.data.stream.pipeline import DATA_TASK_CPUS, ray_chunks
 
     produce = ray_chunks(tokenize_tasks, cpus_per_task=DATA_TASK_CPUS, env={"RAYON_NUM_THREADS": "1"})
     tasks_seen: list[tuple[float, int]] = []
@@ -75,7 +75,7 @@ def run(
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from rayllm.data.ray_stream import configure_ray_data
+    from rayllm.data.stream.pipeline import configure_ray_data
 
     if not ray.is_initialized():
         ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="WARNING")

@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
-from rayllm.storage import filesystem, is_remote, storage_options
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import filesystem, is_remote, storage_options
 
 
 def writer(uri: str, storage: StorageSettings):

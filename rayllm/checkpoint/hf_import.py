@@ -4,7 +4,7 @@ in the run dir, one safetensors file at a time, and every rank then reads only i
 So no worker needs the folder (on a multi-node cluster only the driver's node has it), no rank
 holds the whole model, and the driver holds one safetensors file (a few GB) at a time. DCP's own
 Hugging Face reader cannot serve here: transformers orders the rows of q and k differently
-(rayllm.hf), a per-tensor permutation that a rank holding a row shard cannot apply.
+(rayllm.checkpoint.hf), a per-tensor permutation that a rank holding a row shard cannot apply.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from rayllm import hf
+from rayllm.checkpoint import hf
 from rayllm.checkpoint.dcp_io import reader, writer
-from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import is_remote, join, read_text, write_text
 from rayllm.model import ModelArgs
-from rayllm.storage import is_remote, join, read_text, write_text
 
 IMPORT_DIR = "init_from"
 MARKER_FILE = "rayllm_import.json"  # written last: the conversion is complete

@@ -18,9 +18,9 @@ import posixpath
 import re
 import time
 
-from rayllm.config import StorageSettings
 from rayllm.errors import CheckpointError
-from rayllm.storage import filesystem, full_uri
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import filesystem, full_uri
 
 COMMIT_FILE = "rayllm_commit.json"
 STATE_FILE = "train_state.json"

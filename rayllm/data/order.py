@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from rayllm.data import mixture
-from rayllm.data.groups import Cursor, advance, cursor_from_state, local_chunks
-from rayllm.data.source import SourcePlan, to_records
+from rayllm.data.shard_groups import Cursor, advance, cursor_from_state, local_chunks
+from rayllm.data.source import SourceSpec, to_records
 from rayllm.errors import DataError
 
 UNSHUFFLED_UNIT = 1024  # positions assembled at a time when shuffling is off
@@ -44,7 +44,7 @@ class DataState:
         raw = raw or {}
         return cls(raw.get("position", 0), list(raw.get("cursors", [])), list(raw.get("skipped", [])))
 
-    def cursor(self, source: int, plan: SourcePlan) -> Cursor | None:
+    def cursor(self, source: int, plan: SourceSpec) -> Cursor | None:
         return cursor_from_state(self.cursors[source] if source < len(self.cursors) else None, plan)
 
 
@@ -191,10 +191,10 @@ def rank_slice(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
 
 
 @dataclass
-class StreamPlan:
+class StreamSpec:
     """A whole stream: its sources (one, or a weighted mixture), shuffle window and seed."""
 
-    sources: list[SourcePlan]
+    sources: list[SourceSpec]
     window: int
     seed: int
 
@@ -203,11 +203,11 @@ class StreamPlan:
         return [s.weight for s in self.sources]
 
 
-ChunkSource = Callable[[SourcePlan, "Cursor | None"], Iterator[dict[str, np.ndarray]]]
+ChunkSource = Callable[[SourceSpec, "Cursor | None"], Iterator[dict[str, np.ndarray]]]
 
 
 def open_stream(
-    plan: StreamPlan, state: DataState, *, consumed: int, global_batch: int, chunks: ChunkSource
+    plan: StreamSpec, state: DataState, *, consumed: int, global_batch: int, chunks: ChunkSource
 ) -> Iterator[tuple[np.ndarray, DataState]]:
     """Global batches from ``consumed`` on, restarted from ``state``; ``chunks`` runs one source (Ray or local)."""
     skipped = list(state.skipped)
@@ -227,11 +227,11 @@ def open_stream(
     return step_batches(windows, start=consumed, global_batch=global_batch)
 
 
-def first_batches(plan: StreamPlan, count: int, global_batch: int) -> list[np.ndarray]:
+def first_batches(plan: StreamSpec, count: int, global_batch: int) -> list[np.ndarray]:
     """The first ``count`` global batches of a stream, computed in-process (validation: small, read once)."""
     return [rows for _, (rows, _) in zip(range(count), local_stream(plan, global_batch=global_batch), strict=False)]
 
 
-def local_stream(plan: StreamPlan, state: DataState | None = None, *, consumed: int = 0, global_batch: int):
+def local_stream(plan: StreamSpec, state: DataState | None = None, *, consumed: int = 0, global_batch: int):
     """The stream computed in-process, without Ray (torchrun, validation, tests)."""
     return open_stream(plan, state or DataState(), consumed=consumed, global_batch=global_batch, chunks=local_chunks)

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from rayllm.config import StorageSettings
 from rayllm.errors import DataError
-from rayllm.storage import filesystem
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import filesystem
 
 
 def iter_documents(uri: str, text_field: str, storage: StorageSettings) -> Iterator[str]:
@@ -29,7 +29,7 @@ def iter_documents(uri: str, text_field: str, storage: StorageSettings) -> Itera
     except FileNotFoundError:
         raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
     except PermissionError as e:
-        raise DataError(f"shard {uri} cannot be read: access denied ({e}); check data.storage credentials") from None
+        raise DataError(f"shard {uri} cannot be read: access denied ({e}); check storage credentials") from None
     except Exception as e:  # pyarrow, gzip, zstd and fsspec errors have no common base
         raise DataError(f"shard {uri} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
 

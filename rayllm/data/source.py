@@ -17,19 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tok
 from rayllm.data.encode import InProcess, TokenizePool, read_ahead
 from rayllm.data.packing import pack
 from rayllm.data.shards import iter_documents, iter_token_documents
 from rayllm.errors import DataError
+from rayllm.io.settings import StorageSettings
 
 ID_FIELDS = ("source", "epoch", "shard", "index")
 SLOT_CURSOR_FIELDS = ("index", "doc", "doc_token")  # where a shard restarts
 
 
 @dataclass
-class SourcePlan:
+class SourceSpec:
     """All a task needs to rebuild one source's stream; small and picklable."""
 
     name: str
@@ -63,7 +63,7 @@ class ShardPacker:
     """Tokenizes and packs one shard visit at a time (inside a group's task); with a ``pool``,
     the tokenizing runs in Ray tasks sized to the run (encode.py)."""
 
-    def __init__(self, plan: SourcePlan, pool: TokenizePool | None = None):
+    def __init__(self, plan: SourceSpec, pool: TokenizePool | None = None):
         self.plan, self.pool = plan, pool
         self.tokenizer = tok.load(plan.tokenizer_json, "of this run")
         self.eos = tok.eos_id(self.tokenizer)

@@ -1,7 +1,7 @@
 """Decoding with a KV cache: greedy, or sampled with temperature, top-k and top-p.
 
 Pure PyTorch on one device (no torch.distributed): a trained model is loaded whole, whatever
-the world size it was trained with (see ``rayllm.pretrained``).
+the world size it was trained with (see ``rayllm.use.pretrained``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The typed config tree of a ``rayllm prepare`` job: the only place its defaults live.
 
-Built with the same builder as the training config (``rayllm.config.build_config``), so
+Built with the same builder as the training config (``rayllm.config.base.RootConfig``), so
 unknown keys name the nearest valid key and wrong types name the key, before Ray starts.
 The filter defaults are the Gopher quality rules (Rae et al. 2021, "MassiveText quality
 filter") for English prose; set a threshold to null to turn that filter off, or
@@ -13,12 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
-import yaml
-
-from rayllm.config import SECRET_KEYS, StorageSettings, build_config, read_yaml_mapping
+from rayllm.config.base import RootConfig
 from rayllm.errors import ConfigError
+from rayllm.io.settings import StorageSettings
 
 DEFAULT_SHARD_ROWS = 50_000
 
@@ -165,7 +163,7 @@ class ClusterSettings:
 
 
 @dataclass
-class PrepareConfig:
+class PrepareConfig(RootConfig):
     """The whole prepare job."""
 
     input: InputSettings = field(default_factory=InputSettings)
@@ -178,30 +176,6 @@ class PrepareConfig:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     # A shard that cannot be read: "error" stops the job naming it; "skip" leaves it out and reports it.
     on_bad_shard: str = "error"
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> PrepareConfig:
-        return cls.from_dict(read_yaml_mapping(path), overrides)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | None = None) -> PrepareConfig:
-        config = build_config(cls, raw, overrides)
-        config.validate()
-        return config
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def redacted(self) -> dict[str, Any]:
-        """The tree as the report records it: credentials replaced."""
-        tree = self.to_dict()
-        for key in SECRET_KEYS:
-            if tree["storage"].get(key):
-                tree["storage"][key] = "<redacted>"
-        return tree
 
     @property
     def shard_rows(self) -> int | None:

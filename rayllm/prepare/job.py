@@ -48,17 +48,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rayllm.config import StorageSettings
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
-from rayllm.data.plan import SHARD_TOKENIZER_FILE
+from rayllm.data.discover import SHARD_TOKENIZER_FILE
 from rayllm.data.shards import iter_documents
 from rayllm.errors import DataError
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import expand_shards, filesystem, join, pyarrow_filesystem, read_text, write_text
 from rayllm.prepare import dedup
 from rayllm.prepare.config import NearDedupSettings, NormalizeSettings, PrepareConfig
 from rayllm.prepare.normalize import normalize_text
 from rayllm.prepare.quality import first_failed_filter
-from rayllm.storage import expand_shards, filesystem, join, pyarrow_filesystem, read_text, write_text
 
 KEPT = ""
 NORMALIZE_EMPTY = "normalize_empty"
@@ -219,7 +219,6 @@ def _for_prepare(message: str) -> str:
     """Shard and path errors name the training config's keys; point at this config's instead."""
     for train_key, prepare_key in (
         ("data.text_field", "input.text_field"),
-        ("data.storage", "storage"),
         ("data.demo_corpus", "input.demo_corpus"),
     ):
         message = message.replace(train_key, prepare_key)

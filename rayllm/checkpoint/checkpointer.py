@@ -1,0 +1,238 @@
+"""The loop's checkpoints: written in the background, committed once every rank's part is stored.
+
+    save(step)  -> every rank starts writing its shards at the checkpoint's URI (async: the loop
+                   waits only for the copy to CPU memory, before the next optimizer step)
+    commit()    -> at the first step every rank's write is done (agreed in the loop's control
+                   all-reduce): rank 0's state, a barrier, the commit marker (store.py), the
+                   session's registration, then rank 0's housekeeping in a thread of its own
+
+    save_memory(step) -> the same into the keepers' object store (checkpoint/memory.py), at once,
+                   unregistered, the latest one kept; resume takes the newest whole checkpoint
+
+One component for both sessions (Ray Train and torchrun); they differ only in ``register``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import posixpath
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayllm import checkpoint
+from rayllm.checkpoint import memory
+from rayllm.config import TrainConfig
+
+
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """A checkpoint being written: what rank 0 adds beside the shards, and the write's futures."""
+
+    step: int
+    state: dict[str, Any]
+    metrics: dict[str, Any]
+    ids: np.ndarray | None
+    final: bool = False
+    copied: Any = None  # an async save's future: shards copied to CPU memory; None once waited for
+    written: Any = None  # ... shards written; None once written
+    stall_s: float = 0.0  # time the step loop spent on this checkpoint
+    ids_uncommitted: np.ndarray | None = None  # in memory: the ids of a stored checkpoint still being written
+
+
+class Checkpointer:
+    """Checkpoints of one rank. ``group`` is a gloo group of the checkpointer's own: the async
+    writer's collectives run in a background thread and must not interleave with the loop's.
+    ``loop_group`` is a gloo group used only from the loop's thread (in-memory saves run while
+    a stored one may still be writing: a barrier on ``group`` then met the writer's all-gather
+    on the other rank, and both waited for ever)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        session,
+        device: torch.device,
+        group=None,
+        loop_group=None,
+        before_commit: Callable[[int, int, int], None] = lambda step, rank, world: None,
+    ):
+        self.config, self.session, self.device, self.group = config, session, device, group
+        self.loop_group = loop_group
+        self.before_commit = before_commit  # (step, rank, world): the tests' crash between write and commit
+        self.store = checkpoint.CheckpointStore(config.run.dir, config.storage)
+        self.pending: PendingCheckpoint | None = None
+        self._writer: checkpoint.AsyncWriter | None = None
+        self.last_at = time.monotonic()
+        self.committed_step: int | None = None  # of the latest stored checkpoint committed
+        self.memory: checkpoint.CheckpointStore | None = None
+        if session.memory_root:
+            memory.register()
+            self.memory = checkpoint.CheckpointStore(session.memory_root, config.storage)
+        # Rank 0 copies milestones and prunes old checkpoints off the step loop: removing a
+        # checkpoint's files takes as long as a small model's step.
+        self._tidier = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayllm-tidy") if session.rank == 0 else None
+        )
+
+    # -- resume ----------------------------------------------------------------------------
+    def latest(self) -> str | None:
+        return self.store.latest()
+
+    def newest(self) -> str | None:
+        """Collective: where to resume: the newest in-memory checkpoint when it is at least as new
+        as the latest stored one and whole on the surviving nodes (the object store is read
+        faster than storage), else the latest stored one. Rank 0 decides for all: the keepers'
+        answers may change while ranks ask."""
+        choice = [None]
+        if self.session.rank == 0:
+            stored = self.store.complete_steps()
+            choice[0] = self.store.latest()
+            for step in reversed(self.memory.complete_steps() if self.memory else []):
+                if stored and step < stored[-1]:
+                    break
+                if memory.whole(self.memory.uri(step)):
+                    choice[0] = self.memory.uri(step)
+                    break
+        if dist.is_initialized() and self.session.world_size > 1:
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        return choice[0]
+
+    def is_memory(self, uri: str) -> bool:
+        return uri.startswith(f"{memory.PROTOCOL}://")
+
+    def ids_since_stored(self, uri: str, state: dict[str, Any]) -> list[np.ndarray]:
+        """After resuming from memory: the ids trained on since the last committed stored
+        checkpoint, which the next stored one records: those of a stored checkpoint that was
+        being written unless it got committed after all, then the later ones. This rank takes
+        those of old ranks rank, rank + world, ..."""
+        rank, world = self.session.rank, self.session.world_size
+        names = ["consumed-rank{:05d}.npy"]
+        if state.get("ids_uncommitted_step") not in (None, *self.store.complete_steps()):
+            names.insert(0, "uncommitted-rank{:05d}.npy")
+        folder, found = self.memory.fs._strip_protocol(uri), []
+        for old in range(rank, state["world_size"], world):
+            for name in names:
+                path = posixpath.join(folder, name.format(old))
+                if self.memory.fs.exists(path):
+                    found.append(np.load(io.BytesIO(self.memory.fs.cat_file(path))))
+        return [ids for ids in found if len(ids)]  # an empty record has no fields to join with the rest
+
+    def restore(self, uri: str, model, optimizer) -> dict[str, Any]:
+        """Collective: model and optimizer from the complete checkpoint ``uri``; returns its state."""
+        checkpoint.require_complete(uri, self.config.storage)
+        checkpoint.load(uri, self.config.storage, model, optimizer)
+        return checkpoint.read_state(uri, self.config.storage)
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
+        """Collective: checkpoint this step. Async unless final or train.async_checkpoint is off."""
+        started = time.perf_counter()
+        if self.pending is not None:  # one write at a time: finish the previous one first
+            self.commit(self.pending)
+        uri = self.store.uri(ckpt.step)
+        storage = self.config.storage
+        if self.config.train.async_checkpoint and not ckpt.final:
+            if self._writer is None:
+                self._writer = checkpoint.AsyncWriter(self.device, self.group)
+            ckpt.copied, ckpt.written = self._writer.save(uri, storage, model, optimizer)
+            ckpt.stall_s = time.perf_counter() - started
+            self.pending = ckpt
+        else:
+            checkpoint.save(uri, storage, model, optimizer)
+            ckpt.stall_s = time.perf_counter() - started
+            self.commit(ckpt)
+
+    def save_memory(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
+        """Collective: checkpoint this step into the keepers, synchronously (host memory, no
+        storage). Ray Train does not register it; only the latest one is kept."""
+        started = time.perf_counter()
+        rank, world = self.session.rank, self.session.world_size
+        step = ckpt.step
+        checkpoint.save(self.memory.uri(step), self.config.storage, model, optimizer)
+        if rank == 0:
+            self.memory.write_state(step, ckpt.state, None)
+        _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
+        _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
+        if dist.is_initialized() and world > 1:
+            dist.barrier(group=self.loop_group)  # every rank's part is held
+        if rank == 0:
+            self.memory.mark_complete(step, world)
+            self.memory.prune(1, written_before=step)
+            held = self.memory.fs.usage(self.memory.root)
+            stall = time.perf_counter() - started
+            self.session.emit({"kind": "memory_checkpoint", "step": step, "stall_s": stall, "bytes": held})
+
+    def wait_copied(self) -> None:
+        """Before the weights change: wait until a pending async save has copied them (its stall)."""
+        ckpt = self.pending
+        if ckpt is None or ckpt.copied is None:
+            return
+        started = time.perf_counter()
+        ckpt.copied.result()
+        ckpt.copied = None
+        ckpt.stall_s += time.perf_counter() - started
+
+    def writing(self) -> bool:
+        """Whether this rank's part of the pending checkpoint is still being written."""
+        return self.pending is not None and self.pending.written is not None and not self.pending.written.done()
+
+    def commit(self, ckpt: PendingCheckpoint) -> None:
+        """Collective: once every rank's part is stored, rank 0 marks the checkpoint complete."""
+        started = time.perf_counter()
+        rank, world = self.session.rank, self.session.world_size
+        self.wait_copied()
+        if ckpt.written is not None:
+            ckpt.written.result()
+            ckpt.written = None
+        if rank == 0:  # rank 0's part, stored before the others may be: only the marker makes it count
+            self.store.write_state(ckpt.step, ckpt.state, self.session.train_spec.sources[0].tokenizer_json)
+        self.before_commit(ckpt.step, rank, world)
+        _write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
+        if dist.is_initialized() and world > 1:
+            dist.barrier(group=self.group)  # every rank's part is stored
+        if rank == 0:
+            self.store.mark_complete(ckpt.step, world)
+        self.session.register(ckpt.step, ckpt.metrics, self.store.uri(ckpt.step))
+        ckpt.stall_s += time.perf_counter() - started
+        if self.pending is ckpt:
+            self.pending = None
+        self.last_at = time.monotonic()
+        self.committed_step = ckpt.step
+        if rank == 0:
+            self._tidier.submit(self._tidy, ckpt.step)
+            self.session.emit({"kind": "checkpoint", "step": ckpt.step, "stall_s": ckpt.stall_s, "final": ckpt.final})
+
+    def _tidy(self, step: int) -> None:
+        """Rank 0, in the background and in commit order: keep a milestone's copy, drop old checkpoints."""
+        t = self.config.train
+        try:
+            if checkpoint.is_milestone(step, t.keep_checkpoint_every):
+                self.session.emit({"kind": "kept", "step": step, "uri": self.store.keep_milestone(step)})
+            if self.session.prunes_checkpoints:
+                self.store.prune(t.keep_checkpoints, written_before=step)
+        except Exception as e:  # housekeeping must never stop training; the next commit tries again
+            self.session.emit({"kind": "warning", "step": step, "message": f"checkpoint housekeeping: {e}"})
+
+    def close(self) -> None:
+        """Commit what is pending and let housekeeping finish."""
+        if self.pending is not None:
+            self.commit(self.pending)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._tidier is not None:
+            self._tidier.shutdown(wait=True)
+
+
+def _write_ids(store: checkpoint.CheckpointStore, step: int, name: str, rank: int, ids: np.ndarray | None) -> None:
+    """A rank's record of the sequence ids it trained on (data.record_ids), beside its shards."""
+    if ids is not None:
+        buffer = io.BytesIO()
+        np.save(buffer, ids)
+        store.fs.pipe_file(posixpath.join(store.path(step), f"{name}-rank{rank:05d}.npy"), buffer.getvalue())

@@ -1,0 +1,63 @@
+"""What every rayllm config tree shares (a run's, a prepare job's): YAML and dotted overrides in,
+validation, and the one redaction that every record of a config goes through."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar, TypeVar
+
+import yaml
+
+from rayllm.config.tree import build_config, read_yaml_mapping
+from rayllm.io import credentials
+from rayllm.io.credentials import REDACTED, redact_url
+
+Root = TypeVar("Root", bound="RootConfig")
+
+
+class RootConfig:
+    """A dataclass config tree's root. Subclasses are dataclasses and define ``validate``."""
+
+    # Keys that moved, old dotted prefix -> new one: an old key is refused naming the new one.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_yaml(cls: type[Root], path: str | os.PathLike, overrides: list[str] | None = None) -> Root:
+        """Load a YAML file and apply dotted ``key=value`` overrides."""
+        return cls.from_dict(read_yaml_mapping(path), overrides)
+
+    @classmethod
+    def from_dict(cls: type[Root], raw: dict[str, Any], overrides: list[str] | None = None) -> Root:
+        config = build_config(cls, raw, overrides, moved=cls.MOVED_KEYS)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self: Root, overrides: list[str]) -> Root:
+        return type(self).from_dict(self.to_dict(), overrides)
+
+    def redacted(self) -> dict[str, Any]:
+        """The tree as a run or job records it: every storage section's secrets and every URL's
+        password replaced, so they never reach a log, a file or a tracker."""
+        return _redact(self.to_dict(), section="")
+
+
+def _redact(node: Any, section: str) -> Any:
+    if isinstance(node, dict):
+        shown = {k: _redact(v, k) for k, v in node.items()}
+        if section == "storage":
+            for name in credentials.secret_values(node):
+                shown[name] = redact_url(node[name]) if name == "endpoint_url" else REDACTED
+        return shown
+    if isinstance(node, list):
+        return [_redact(v, section) for v in node]
+    return redact_url(node) if isinstance(node, str) else node

@@ -1,0 +1,421 @@
+"""The per-rank training loop. It knows torch.distributed, never Ray.
+
+Everything environment-specific (where data comes from, where checkpoints go, where
+metrics are sent) comes through a ``Session``, so the same loop runs as a Ray Train
+worker and under plain torchrun.
+
+    restore (DCP, resharded) -> [step-0 validation] -> loop:
+        global batch rows for this rank -> micro-batches: forward/backward (accumulate)
+        -> clip -> lr -> optimizer step -> log / validate / checkpoint
+
+Components: MetricWindow (metrics.py), Validator (validation.py), Checkpointer (checkpointer.py),
+HangWatchdog (watchdog.py); what the loop needs of its environment: Session (session.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayllm.checkpoint import hf_import
+from rayllm.checkpoint.checkpointer import Checkpointer, PendingCheckpoint
+from rayllm.config import TrainConfig, check_batch_split
+from rayllm.data.order import DataState
+from rayllm.data.prefetch import prefetched
+from rayllm.data.source import ID_FIELDS
+from rayllm.errors import RayllmError
+from rayllm.hardware import keep_freed_memory, matmul_peak_flops
+from rayllm.loop import fault_injection as faults
+from rayllm.loop.metrics import MetricWindow, all_nodes, all_sum, plain
+from rayllm.loop.schedule import lr_at
+from rayllm.loop.session import Session
+from rayllm.loop.validation import Validator
+from rayllm.loop.watchdog import HangWatchdog
+from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
+from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
+from rayllm.parallel.fsdp import accumulate
+from rayllm.parallel.layout import Layout, resolve_layout
+from rayllm.parallel.tp import loss_context
+
+
+class WorkerPreempted(RuntimeError):
+    """A rank's process got SIGTERM (or its node a preemption notice): the run checkpointed and this
+    attempt ends, so that Ray Train restarts it on what remains (not a user error: retried)."""
+
+
+def model_args(config: TrainConfig) -> ModelArgs:
+    """The model's own arguments: the config's model section, sized for the run's sequences."""
+    shape = {k: v for k, v in dataclasses.asdict(config.model).items() if k != "init_from"}
+    return ModelArgs(**shape, max_seq_len=config.data.seq_len)
+
+
+def import_init_weights(config: TrainConfig, log) -> None:
+    """Driver (or torchrun's rank 0): model.init_from's folder converted into the run dir, once."""
+    if config.model.init_from:
+        hf_import.convert(config.model.init_from, model_args(config), config.run.dir, config.storage, log)
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; norms and other 1-D weights get no weight decay."""
+    t = config.train
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel (one per device, CPU too) beats the foreach loop: 4% of the tiny step on CPU.
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+
+
+def agreed_ranks_per_node(session: Session) -> int | None:
+    """Ranks per node when every node runs the same number (what HSDP's "auto" needs), else None."""
+    if session.world_size == 1:
+        return 1
+    t = torch.tensor([session.local_world_size, -session.local_world_size], dtype=torch.int64, device=session.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) if int(t[0]) == -int(t[1]) else None
+
+
+class Trainer:
+    """State and steps of one rank."""
+
+    def __init__(self, config: TrainConfig, session: Session):
+        self.config, self.session = config, session
+        t = config.train
+        self.device = session.device
+        self.args = model_args(config)
+        with torch.device("meta"):  # nothing allocated: each rank materialises only its shards
+            model = Llama(self.args)
+        self.n_params = num_params(model)
+        self.layout: Layout = resolve_layout(
+            config.parallel,
+            session.world_size,
+            ranks_per_node=agreed_ranks_per_node(session),
+            n_params=self.n_params,
+            use_gpu=self.device.type == "cuda",
+        )
+        self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
+        self.data_rank = self.layout.data_rank(session.rank)
+        # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
+        self.counts_data = session.rank % self.layout.tp == 0
+        self.dtype = compute_dtype(t.precision, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        self.model = parallelize(
+            model,
+            dtype=self.dtype,
+            layout=self.layout,
+            activation_checkpointing=t.activation_checkpointing,
+            cpu_offload=t.cpu_offload,
+            compile=should_compile(t.compile, self.device, self.layout.tp),
+            device=self.device,
+            seed=t.seed,
+        )
+        self.optimizer = build_optimizer(self.model, config, self.device)
+        self.step = 0
+        self.consumed = 0  # sequences of the global stream already trained on
+        self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
+        self.source_counts = np.zeros(len(session.train_spec.sources), dtype=np.int64)  # this rank's, per source
+        self.source_counts_before = np.zeros_like(self.source_counts)  # all ranks', before this attempt
+        self.last_metrics: dict[str, Any] = {}
+        self.restarts = 0
+        self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
+        # Two gloo groups of their own: one for the background writer's collectives, one for the
+        # per-step control flags. Collectives from two threads on one group would interleave.
+        self._control_group = None
+        self.checkpointer: Checkpointer | None = None
+        self.stopped = False  # ended early on a stop request, with a checkpoint
+        self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
+        self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
+        self.phases: dict[str, float] = getattr(session, "phases", {})  # start-up stages' wall-clock times
+        self.phases["model"] = time.time()
+
+    # -- state ---------------------------------------------------------------------------
+    def restore(self) -> None:
+        uri = self.checkpointer.newest()
+        if uri is None:
+            if self.config.model.init_from:  # continued pretraining: read only when starting afresh
+                # The driver converted the folder into the run dir (hf_import): no rank reads the folder.
+                uri = hf_import.import_uri(self.config.run.dir)
+                hf_import.load(self.model, uri, self.config.storage)
+            return
+        state = self.checkpointer.restore(uri, self.model, self.optimizer)
+        self.resumed_from = "memory" if self.checkpointer.is_memory(uri) else "storage"
+        self.step, self.consumed = state["step"], state["consumed"]
+        self.data_state = DataState.from_dict(state.get("data"))
+        counts = state.get("source_counts") or []
+        if len(counts) == len(self.source_counts):
+            self.source_counts_before = np.asarray(counts, dtype=np.int64)
+        self.last_metrics = state.get("metrics", {})
+        self.restarts = state.get("restarts", 0) + 1
+        if self.checkpointer.is_memory(uri) and self.config.data.record_ids and self.counts_data:
+            self._consumed_ids = self.checkpointer.ids_since_stored(uri, state)
+
+    def _state(self, metrics: dict[str, Any], source_counts: list[int]) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "consumed": self.consumed,
+            "data": self.data_state.to_dict(),
+            "source_counts": source_counts,
+            "metrics": metrics,
+            "restarts": self.restarts,
+            "world_size": self.session.world_size,
+            "layout": dataclasses.asdict(self.layout),
+            "model": dataclasses.asdict(self.args),  # so the checkpoint alone can be loaded (generate, export)
+        }
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _checkpoint(self, metrics: dict[str, Any], final: bool, in_memory: bool = False) -> None:
+        """Collective: checkpoint this step to storage, or into the keepers (see Checkpointer)."""
+        counts = all_sum([float(c) for c in self.source_counts], self.device)
+        total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
+        ids, state = None, self._state(metrics, total_counts)
+        if self.config.data.record_ids and self.counts_data:
+            # The ids trained on since the previous stored checkpoint, committed with this one (one
+            # rank of each TP group writes them: its peers trained on the same rows). An in-memory
+            # checkpoint holds them too, and those of a stored one not yet committed, for the
+            # stored one after a resume from it.
+            ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
+            self._consumed_ids = [ids] if in_memory and len(ids) else []  # (an empty one has no fields)
+        pending = PendingCheckpoint(self.step, state, dict(metrics), ids, final=final)
+        if in_memory:
+            uncommitted = self.checkpointer.pending
+            if ids is not None and uncommitted is not None:
+                pending.ids_uncommitted = uncommitted.ids
+                state["ids_uncommitted_step"] = uncommitted.step
+            self.checkpointer.save_memory(pending, self.model, self.optimizer)
+        else:
+            self.checkpointer.save(pending, self.model, self.optimizer)
+
+    def _control(self) -> tuple[bool, bool, bool, int | None]:
+        """(a write still running on some rank, stop requested, checkpoint time due, a preempted
+        rank or None): agreed by all ranks with one small all-reduce on the gloo group, so they
+        act at the same step."""
+        t = self.config.train
+        busy = self.checkpointer.writing()
+        due = bool(t.checkpoint_every_s) and time.monotonic() - self.checkpointer.last_at >= t.checkpoint_every_s
+        preempt = self.session.rank + 1 if self.session.preempted() else 0
+        flags = torch.tensor(
+            [busy, self.session.stop_requested(), due and self.session.rank == 0, preempt], dtype=torch.int32
+        )
+        if self._control_group is not None and self.session.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
+        busy, stop, due, preempt = flags.tolist()
+        return bool(busy), bool(stop), bool(due), (preempt - 1 if preempt else None)
+
+    def _diverged(self) -> RayllmError:
+        """Collective: commit what is pending (finite weights), then the error that ends the run."""
+        self.checkpointer.close()
+        latest = self.checkpointer.latest()
+        where = f" ({latest})" if latest else ""
+        return RayllmError(
+            f"the loss or gradient norm was NaN or infinite at {self.nonfinite_in_row} steps in a row, up to step "
+            f"{self.step} (train.max_nonfinite_steps); those steps were skipped and the run stopped. The latest "
+            f"checkpoint{where} is the last finite one: lower train.lr, raise train.warmup_steps, or check the data "
+            "at these steps"
+        )
+
+    # -- steps ---------------------------------------------------------------------------
+    def train_step(self, rows: np.ndarray) -> tuple[float, float]:
+        """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
+        t = self.config.train
+        if self.counts_data:
+            if self.config.data.record_ids:
+                self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
+            self.source_counts += np.bincount(rows["source"], minlength=len(self.source_counts))
+        tokens = np.ascontiguousarray(rows["tokens"])
+        batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
+        micro = batch.split(t.micro_batch_size)
+        lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+
+        def backward(rows_i: torch.Tensor) -> None:
+            nonlocal total
+            with loss_context(self.layout.tp):
+                loss = self.model(rows_i[:, :-1], rows_i[:, 1:]) / len(micro)  # mean cross-entropy, (B, T) each
+                if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
+                    loss = loss * faults.loss_scale(self.step + 1)
+                loss.backward()
+            total += plain(loss.detach())  # summed on the device: one sync per step, not per micro-batch
+
+        accumulate(self.model, micro, backward)
+        faults.maybe_hang(self.step + 1, self.session.rank)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        loss_value, norm_value = total.item(), float(norm)
+        # The norm is global (every rank computes the same), so every rank skips the same steps;
+        # a NaN or inf loss on any rank makes it non-finite through the gradients' reduction.
+        finite = math.isfinite(norm_value) and math.isfinite(loss_value)
+        if finite:
+            if self.checkpointer is not None:  # an async save's copy overlapped forward and backward,
+                self.checkpointer.wait_copied()  # and the optimizer step changes the weights
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_row = 0 if finite else self.nonfinite_in_row + 1
+        self.step += 1
+        self.consumed += t.global_batch_size
+        return loss_value, norm_value
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to the end (or a stop), under a hang watchdog (watchdog.py)."""
+        session = self.session
+        node, attempt = getattr(session, "node", "?"), getattr(session, "attempt", 1)
+        watchdog = HangWatchdog(self.config, session.rank, session.world_size, node, attempt, session.emit)
+        try:
+            return self._fit(watchdog, node)
+        finally:
+            watchdog.stop()
+
+    def _fit(self, watchdog: HangWatchdog, node: str) -> dict[str, Any]:
+        t, session = self.config.train, self.session
+        # Collectives, every rank here: the control flags' group, then the background writer's.
+        groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
+        self._control_group, checkpoint_group = groups
+        self.checkpointer = Checkpointer(
+            self.config,
+            session,
+            self.device,
+            checkpoint_group,
+            self._control_group,
+            before_commit=faults.maybe_crash_before_commit,
+        )
+        self.phases["checkpointer"] = time.time()
+        self.restore()
+        self.phases["restored"] = time.time()
+        end = min(t.max_steps, t.stop_at_step or t.max_steps)
+        if self.step >= end:
+            self._emit("done", **{"step": self.step, **self.last_metrics})
+            session.report(self.last_metrics)
+            self.checkpointer.close()
+            return self.last_metrics
+        fpt = flops_per_token(self.args, self.config.data.seq_len)
+        # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
+        measure = lambda: all_sum([matmul_peak_flops(self.device)], self.device)[0]  # noqa: E731
+        peak_flops = session.peak_flops(measure)
+        self._emit(
+            "start",
+            step=self.step,
+            world_size=session.world_size,
+            params=self.n_params,
+            flops_per_token=fpt,
+            peak_flops=peak_flops,
+            restarts=self.restarts,
+            resumed_from=self.resumed_from,
+            accum_steps=self.accum,
+            layout=self.layout.describe(),
+            nodes=all_nodes(node),
+        )
+        batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
+        # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
+        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
+        if self.step == 0 and (val := validator.loss()) is not None:
+            self._emit("val", step=0, val_loss=val)
+        window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.source_counts_before)
+        metrics: dict[str, Any] = dict(self.last_metrics)
+        start = self.step
+        while self.step < end:
+            with watchdog.slow():  # a test's hold before a step (fault injection) is not a hang
+                faults.maybe_pause_before(self.step + 1)
+            step_started = time.monotonic()
+            self._train_next(batches, window, first=self.step == start)
+            busy, stop, due, preempted = self._control()
+            watchdog.beat(self.step, time.monotonic() - step_started)
+            if self.checkpointer.pending is not None and not busy:
+                self.checkpointer.commit(self.checkpointer.pending)
+            last = self.step == end or stop or preempted is not None
+            log = self.step % t.log_every == 0 or last
+            if log:
+                self._log(window, metrics, watchdog.collective_fraction())
+            if self.step % t.val_every == 0 or last:
+                with watchdog.slow():
+                    self._validate(validator, metrics)
+            # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
+            if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
+                with watchdog.slow():
+                    self._checkpoint(metrics, final=last)
+            # In memory too when due, unless a stored checkpoint of this step is already committed:
+            # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
+            memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
+            if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
+                with watchdog.slow():
+                    self._checkpoint(metrics, final=False, in_memory=True)
+            if preempted is not None:
+                self.checkpointer.close()
+                self._emit("preempted", step=self.step, rank=preempted)
+                raise WorkerPreempted(
+                    f"rank {preempted} was asked to stop (SIGTERM or a preemption notice); checkpointed at step "
+                    f"{self.step}, restarting from there"
+                )
+            if stop:
+                self.stopped = True
+                self._emit("stopped", step=self.step)
+                break
+            if log:
+                window.start()  # the next window's clock: validation and checkpoints are not step time
+        self.checkpointer.close()
+        self.last_metrics = metrics
+        close = getattr(session, "close", None)
+        if close is not None:
+            close()
+        return metrics
+
+    def _train_next(self, batches: Iterator[tuple[np.ndarray, DataState]], window: MetricWindow, first: bool) -> None:
+        """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
+        train.max_nonfinite_steps non-finite steps in a row."""
+        t = self.config.train
+        faults.maybe_raise_at(self.step + 1, self.session.rank)
+        with window.waiting():
+            faults.maybe_slow_data(self.session.rank)
+            rows, data_state = next(batches)
+        batch_at = time.time()
+        loss, grad_norm = self.train_step(rows)
+        if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
+            self._emit("skipped", step=self.step, shards=skipped)
+        self.data_state = data_state
+        if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
+            phases = {**self.phases, "batch": batch_at}
+            self._emit(
+                "first_step", step=self.step, phases=phases, stream_kept=getattr(self.session, "stream_kept", None)
+            )
+        if self.nonfinite_in_row:
+            self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
+            if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
+                raise self._diverged()
+        window.add(loss, grad_norm, finite=not self.nonfinite_in_row)
+
+    def _log(self, window: MetricWindow, metrics: dict[str, Any], collective_frac: float) -> None:
+        """Collective: the window's metrics into ``metrics``, and the "train" record."""
+        lr, tokens = self.optimizer.param_groups[0]["lr"], self.consumed * self.config.data.seq_len
+        update, mixture = window.summary(
+            step=self.step,
+            lr=lr,
+            tokens=tokens,
+            skipped_shards=len(self.data_state.skipped),
+            counts=self.source_counts,
+            collective_frac=collective_frac,
+        )
+        metrics.update(update)
+        self._emit("train", **metrics, mixture=mixture)
+
+    def _validate(self, validator: Validator, metrics: dict[str, Any]) -> None:
+        """Collective: the validation loss (into ``metrics``) and samples, with their records."""
+        if (val := validator.loss()) is not None:
+            metrics["val_loss"] = val
+            self._emit("val", step=self.step, val_loss=val)
+        if samples := validator.samples():
+            self._emit("samples", step=self.step, samples=samples)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        """A record for the driver: rank 0's (the others would send the same)."""
+        if self.session.rank == 0:
+            self.session.emit({"kind": kind, **fields})

@@ -1,0 +1,242 @@
+"""Hang watchdog: a thread per rank that ends an attempt whose steps stopped, naming the rank.
+
+A rank stuck in Python (a hung storage call, a dead lock, an injected sleep) leaves every
+other rank blocked in its next collective, for ever under gloo and for NCCL's 10 minutes on
+GPU. Each rank's watchdog notices that no step ended within the deadline
+
+    deadline = train.hang_timeout_s, or max(train.hang_min_s, train.hang_factor x median step time)
+
+(the long phases, start-up, validation and checkpoints, get SLOW_PHASE_S), and then:
+
+1. writes its loop thread's and every other thread's Python stack to
+   ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU);
+2. posts where it is (running, in a collective, waiting for data) to the process group's
+   key-value store, which answers while the collectives hang;
+3. gathers the others' posts for GATHER_S: the ranks that are not in a collective or a data
+   wait are the ones that did not reach the step's end. The lowest reporting rank writes the
+   summary line (``hangs/attempt-N/summary.txt``) and sends it to the driver;
+4. ends its process (HANG_EXIT), so the attempt fails and restarts from the latest checkpoint
+   as any failure does.
+
+Written by hand: torch's own timeouts (NCCL's watchdog, gloo's) end a collective, not a rank
+stuck outside one, and name no culprit; NVRx's detector needs its own launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from rayllm.config import TrainConfig
+from rayllm.io.storage import join, write_text
+
+HANG_EXIT = 75
+SLOW_PHASE_S = 1800.0  # before the first step, and during validation and checkpoints
+GATHER_S = 10.0
+FIRE_LIMIT_S = 120.0  # writing the dumps (object storage) and gathering may take this long, then the rank exits
+SAMPLE_EVERY_S = 0.01  # the loop thread's stack is sampled this often: its time in collectives
+RECENT_STEPS = 50
+STORE_PREFIX = "rayllm-hang"
+COLLECTIVE_FILES = ("distributed_c10d.py", "_fsdp_collectives.py", "_functional_collectives.py")
+
+
+def step_deadline(config: TrainConfig, step_times: list[float]) -> float:
+    """Seconds without a finished step after which a rank is hung (see the module docstring)."""
+    t = config.train
+    if t.hang_timeout_s is not None:
+        return float(t.hang_timeout_s)
+    if not step_times:
+        return SLOW_PHASE_S
+    return max(t.hang_min_s, t.hang_factor * statistics.median(step_times))
+
+
+def in_collective(frame) -> bool:
+    """Whether a thread's stack is inside a collective (a cheap walk: no source lines read)."""
+    while frame is not None:
+        if os.path.basename(frame.f_code.co_filename) in COLLECTIVE_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def where(frame) -> tuple[str, str]:
+    """(state, place) of a thread's stack: "collective" or "data" when it waits on another
+    process, else "running", with the innermost frame that says so."""
+    frames = traceback.extract_stack(frame)
+    for f in reversed(frames):
+        name = os.path.basename(f.filename)
+        place = f"{f.name} ({name}:{f.lineno})"
+        if name in COLLECTIVE_FILES:
+            return "collective", place
+        if f"{os.sep}rayllm{os.sep}data{os.sep}" in f.filename or name == "prefetch.py":
+            return "data", place
+    top = frames[-1] if frames else None
+    return "running", f"{top.name} ({os.path.basename(top.filename)}:{top.lineno})" if top else "?"
+
+
+def summary_line(reports: list[dict], world_size: int, silent_s: float, deadline: float, where_to: str) -> str:
+    """One line: how long nothing moved, who did not reach the step's end, where the stacks are."""
+    culprits = [r for r in reports if r["state"] == "running"] or [r for r in reports if r["state"] == "data"]
+    if not culprits:  # every reporting rank waits on another: the silent ones, else the lowest step
+        missing = sorted(set(range(world_size)) - {r["rank"] for r in reports})
+        culprits = [{"rank": m, "node": "?", "place": "no report", "step": "?"} for m in missing] or [
+            r for r in reports if r["step"] == min(x["step"] for x in reports)
+        ]
+    named = "; ".join(f"rank {c['rank']} on node {c['node']} ({c['place']})" for c in culprits)
+    waiting = sorted(r["rank"] for r in reports if r not in culprits)
+    plural = "s" if len(waiting) > 1 else ""
+    others = f"; rank{plural} {', '.join(map(str, waiting))} waited for it" if waiting else ""
+    step = max((r["step"] for r in reports), default=0) + 1
+    return (
+        f"hang: no step finished for {silent_s:.0f} s (deadline {deadline:.0f} s): {named} did not reach the end "
+        f"of step {step}{others}. Stacks in {where_to}"
+    )
+
+
+class HangWatchdog:
+    """One per rank; ``beat`` at each step's end, ``slow`` around long phases. See the module docstring."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, node: str, attempt: int, emit: Callable):
+        self.config, self.rank, self.world_size, self.node, self.attempt = config, rank, world_size, node, attempt
+        self._emit = emit
+        self._loop_thread = threading.get_ident()  # Ray Train runs the loop in a thread of its own
+        self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._last_beat = time.monotonic()
+        self._step = 0
+        self._slow = 1  # in a long phase (start-up counts as one) while > 0
+        self._samples = self._in_collectives = 0  # since collective_fraction was last asked
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rayllm-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self, step: int, step_seconds: float) -> None:
+        """A step ended (the loop thread)."""
+        if self._slow:  # the first step ends the start-up phase
+            self._slow = 0
+        else:
+            self._step_times.append(step_seconds)
+        self._step, self._last_beat = step, time.monotonic()
+
+    @contextlib.contextmanager
+    def slow(self) -> Iterator[None]:
+        """A long phase (validation, a checkpoint): SLOW_PHASE_S, and the clock restarts after it."""
+        self._slow += 1
+        try:
+            yield
+        finally:
+            self._slow -= 1
+            self._last_beat = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def deadline(self) -> float:
+        return SLOW_PHASE_S if self._slow else step_deadline(self.config, list(self._step_times))
+
+    def collective_fraction(self) -> float:
+        """The part of the loop thread's time in collectives since the last call (sampled), which
+        is the rank's wait for the others: the straggler is the rank that waits least."""
+        samples, waiting = self._samples, self._in_collectives
+        self._samples = self._in_collectives = 0
+        return waiting / samples if samples else 0.0
+
+    def _watch(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY_S):
+            frame = sys._current_frames().get(self._loop_thread)
+            self._samples += 1
+            self._in_collectives += frame is not None and in_collective(frame)
+            del frame
+            silent = time.monotonic() - self._last_beat
+            deadline = self.deadline()
+            if silent > deadline:
+                # The dumps go to storage that may itself be what hangs: the rank exits regardless.
+                limit = threading.Timer(FIRE_LIMIT_S, os._exit, args=(HANG_EXIT,))
+                limit.daemon = True
+                limit.start()
+                try:
+                    self._fire(silent, deadline)
+                finally:
+                    os._exit(HANG_EXIT)
+
+    def _fire(self, silent: float, deadline: float) -> None:
+        folder = join(self.config.run.dir, "hangs", f"attempt-{self.attempt}")
+        frame = sys._current_frames().get(self._loop_thread)
+        state, place = where(frame) if frame is not None else ("running", "?")
+        report = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self._step}
+        report.update(state=state, place=place)
+        header = json.dumps(report)
+        write_text(join(folder, f"rank-{self.rank}.txt"), f"{header}\n\n{_all_stacks()}{_nccl_trace()}", self._storage)
+        reports = self._gather(report)
+        line = summary_line(reports, self.world_size, silent, deadline, folder)
+        if self.rank == min(r["rank"] for r in reports):
+            write_text(join(folder, "summary.txt"), line + "\n", self._storage)
+            print(f"[rayllm] {line}", file=sys.stderr, flush=True)
+            self._emit({"kind": "failure", "step": self._step, "rank": self.rank, "node": self.node, "message": line})
+            time.sleep(1.0)  # the record leaves before this process does
+        else:
+            time.sleep(2.0)  # the lowest rank may host the store; let it read before this one goes
+
+    @property
+    def _storage(self):
+        return self.config.storage
+
+    def _gather(self, report: dict) -> list[dict]:
+        """Every rank's report that arrives within GATHER_S, through the process group's store."""
+        store = _store()
+        if store is None or self.world_size == 1:
+            return [report]
+        prefix = f"{STORE_PREFIX}/{self.attempt}"
+        found = {self.rank: report}
+        try:
+            store.set(f"{prefix}/{self.rank}", json.dumps(report))
+            until = time.monotonic() + GATHER_S
+            while len(found) < self.world_size and time.monotonic() < until:
+                for r in range(self.world_size):
+                    if r not in found and store.check([f"{prefix}/{r}"]):
+                        found[r] = json.loads(store.get(f"{prefix}/{r}"))
+                time.sleep(0.2)
+        except Exception:  # the store's host is gone: say what this rank knows
+            pass
+        return [found[r] for r in sorted(found)]
+
+
+def _store():
+    try:
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _all_stacks() -> str:
+    """Every thread's Python stack, as faulthandler writes it (it needs a real file)."""
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
+
+
+def _nccl_trace() -> str:
+    """The NCCL flight recorder's entries (collectives in flight), where there is one."""
+    try:
+        import pickle
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return ""
+        entries = pickle.loads(torch._C._distributed_c10d._dump_nccl_trace())
+        return "\n\nNCCL flight recorder:\n" + json.dumps(entries, default=str, indent=1)[:2_000_000]
+    except Exception as e:
+        return f"\n\nNCCL flight recorder: unavailable ({type(e).__name__})"

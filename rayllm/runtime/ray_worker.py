@@ -1,0 +1,256 @@
+"""The per-rank loop as a Ray Train worker: data from the stream server, checkpoints registered by report."""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import time
+from typing import Any
+
+import torch
+
+from rayllm.checkpoint import checkpoint_name
+from rayllm.checkpoint.memory import memory_uri
+from rayllm.config import TrainConfig
+from rayllm.data.order import DataState
+from rayllm.data.stream.protocol import RESTART, DataStreamLost
+from rayllm.data.stream.relay import served_batches, slices_per_object
+from rayllm.errors import RayllmError
+from rayllm.loop.trainer import Trainer
+from rayllm.runtime.control import failure_signature
+from rayllm.runtime.signals import WORKER
+
+
+class RaySession:
+    def __init__(self, config: TrainConfig, queue, plans, control=None, validation=None, keepers=None, stream=None):
+        import ray
+        import ray.train
+
+        self._train = ray.train
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.local_world_size = context.get_local_world_size()
+        self._queue = queue  # progress from rank 0; failures from any rank
+        self.config = config
+        self.train_spec, self.val_spec = plans.train, plans.val
+        self._stream = stream  # the run's stream server (serve.py)
+        self._validation = validation  # an object ref: the validation batches
+        self._control = control  # the run's control actor (control.py): stop flag, relays, peak
+        self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
+        self.attempt = 1  # set once the attempt is counted (train_loop_per_worker)
+        self._stop_checked_at = 0.0
+        self._stop = False
+        self._emit_failed = False
+        self.prunes_checkpoints = False  # Ray Train keeps the last K it has registered
+        # The driver's registry of in-memory checkpoint keepers (checkpoint/memory.py), if any.
+        self.memory_root = memory_uri(keepers, "run") if keepers else None
+        self._preemption_context = _preemption_context()
+        # Wall-clock times of this attempt's start-up, for ``rayllm bench recovery``'s breakdown.
+        self.phases = {"process": _process_started(), "loop": time.time()}
+        self.stream_kept: bool | None = None  # whether this attempt's data came from the running stream
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            import ray.train.torch
+
+            self.device = ray.train.torch.get_device()
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
+        """Rank 0 tells the run's stream server (the driver's, serve.py) where this attempt begins;
+        every rank pulls its slices through its node's relay (relay.py), which the control actor
+        keeps across attempts."""
+        import ray
+        import torch.distributed as dist
+
+        node = ray.get_runtime_context().get_node_id()
+        nodes = [node] * self.world_size  # each rank's node, by id
+        if self.world_size > 1:
+            dist.all_gather_object(nodes, node)
+        server = self._stream
+        kept = [None]
+        if self.rank == 0:
+            begin = server.begin.remote(
+                self.attempt,
+                state.to_dict(),
+                consumed,
+                self.world_size,
+                self.world_size // ranks_per_slice,
+                # One object per node's data ranks: a node pulls its rows once, its ranks view them.
+                slices_per_object(nodes, ranks_per_slice),
+            )
+            kept[0] = _answer(begin, self.config.data.wait_timeout_s)
+        if self.world_size > 1:
+            dist.broadcast_object_list(kept, src=0)  # no rank asks before the server has begun
+        self.stream_kept, self.phases["stream"] = kept[0], time.time()
+        relay = _answer(self._control.relay.remote(node, server), self.config.data.wait_timeout_s)
+        timeout = self.config.data.wait_timeout_s
+        return served_batches(relay, self.attempt, nodes.count(node), self.rank, timeout)
+
+    def peak_flops(self, measure) -> float:
+        """Every rank's matmul peak together: ``measure()`` (collective) at the first attempt of
+        this world size, then remembered by the run's control actor (0.6 s of every restart)."""
+        import ray
+
+        known = ray.get(self._control.peak_flops.remote(self.world_size), timeout=60)
+        if known is None:  # the same answer on every rank: rank 0 stores only after the collective
+            known = measure()
+            if self.rank == 0:
+                self._control.remember_peak_flops.remote(self.world_size, known)
+        return known
+
+    def validation_batches(self) -> list:
+        """Packed once by the driver (launch.py) and fetched from the object store, once per node."""
+        import ray
+
+        return ray.get(self._validation, timeout=self.config.data.wait_timeout_s)
+
+    def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
+        """Ray Train records the complete checkpoint, already in its run folder, for its retention of
+        the last K and for the run's result. Its report queue holds one entry until the controller's
+        next poll (seconds), so the report goes through Ray's async path, whose upload step is here a
+        no-op, instead of stalling the step loop."""
+        storage = self._train.get_context().get_storage()
+        path = posixpath.join(storage.experiment_fs_path, checkpoint_name(step))
+        self._train.report(
+            dict(metrics),
+            checkpoint=self._train.Checkpoint(path, filesystem=storage.storage_filesystem),
+            checkpoint_dir_name=checkpoint_name(step),
+            checkpoint_upload_mode=self._train.CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=_already_stored,
+            delete_local_checkpoint_after_upload=False,  # the "local" folder is the stored checkpoint
+        )
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        self._train.report(dict(metrics))
+
+    def stop_requested(self) -> bool:
+        """Rank 0 asks the driver's flag at most once a second; the loop shares the answer."""
+        if self._control is None or self.rank != 0 or self._stop:
+            return self._stop
+        now = time.monotonic()
+        if now - self._stop_checked_at >= 1.0:
+            import ray
+
+            self._stop_checked_at = now
+            try:
+                self._stop = bool(ray.get(self._control.stop_requested.remote(), timeout=5))
+            except Exception:  # the driver is gone or busy: keep training, ask again later
+                pass
+        return self._stop
+
+    def preempted(self) -> bool:
+        """A SIGTERM to this worker process (a spot reclaim, a drain), or Ray's notice that this
+        worker's node is being preempted: checkpoint at the next step, then restart without it."""
+        if WORKER.requested.is_set():
+            return True
+        preemption = self._preemption_context
+        return preemption is not None and preemption.preemption_info is not None
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """Progress to the driver; never worth stopping training over (the driver may be gone)."""
+        if self._queue is None or (self.rank != 0 and record.get("kind") != "failure"):
+            return
+        try:
+            self._queue.put_nowait(record)
+        except Exception as e:
+            if not self._emit_failed:
+                logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
+            self._emit_failed = True
+
+
+def _preemption_context():
+    """Ray Train's drain notice for this worker, read locally at every step (its public getter,
+    ray.train.get_preemption_info, is a barrier across workers); None where Ray has none."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context
+    except Exception:
+        return None
+
+
+def _answer(call, timeout_s: float):
+    """The stream server's answer to ``call``. A server that died is restarted by Ray (empty) and
+    answers once back; one that cannot be reached is a lost stream."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    try:
+        return ray.get(call, timeout=timeout_s)
+    except (RayActorError, GetTimeoutError) as e:
+        raise DataStreamLost(f"the data stream server did not answer ({type(e).__name__}); {RESTART}") from None
+
+
+def _process_started() -> float:
+    import psutil  # a Ray dependency
+
+    return psutil.Process().create_time()
+
+
+def _already_stored(checkpoint, checkpoint_dir_name: str):
+    """Every rank wrote its shards into the run folder itself: nothing to upload."""
+    return checkpoint
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    # Progress reaches the driver through the monitor; Ray Data's per-execution lines are noise there.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    try:  # Ray Train names this logger by its file path, out of reach of LoggingConfig
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
+    import ray
+
+    config = TrainConfig.from_dict(loop_config["config"])
+    config.storage = loop_config["storage"]  # sealed: its credentials come from Ray's object store
+    threads = max(1, int(config.cluster.cpus_per_worker))
+    if not config.cluster.use_gpu:
+        torch.set_num_threads(threads)
+    control = loop_config["control"]
+    session = RaySession(
+        config,
+        loop_config["queue"],
+        loop_config["plans"],
+        control,
+        loop_config["validation"],
+        loop_config["keepers"],
+        loop_config["stream"],
+    )
+    attempt = session.attempt = _begin_attempt(control, session.rank)
+    session.phases["attempt"] = time.time()
+    trainer = None
+    try:
+        trainer = Trainer(config, session)
+        trainer.fit()
+    except RayllmError:
+        raise  # no restart fixes it; rayllm's failure policy ends the run with it
+    except BaseException as e:
+        step = trainer.step if trainer is not None else -1
+        signature = failure_signature(e)
+        repeated = ray.get(control.record_failure.remote(attempt, step, signature), timeout=30)
+        if repeated:
+            message = f"rank {session.rank} failed the same way at step {step} on a fresh attempt: {signature}"
+            session.emit({"kind": "failure", "step": step, "rank": session.rank, "message": message, "final": True})
+            raise RayllmError(f"{message}. No restart fixes a deterministic error; fix its cause") from e
+        session.emit(
+            {"kind": "failure", "step": step, "rank": session.rank, "node": session.node, "message": signature}
+        )
+        raise
+
+
+def _begin_attempt(control, rank: int) -> int:
+    """This attempt's number, the same on every rank (rank 0 counts it before the others read it)."""
+    import ray
+    import torch.distributed as dist
+
+    if rank == 0:
+        attempt = ray.get(control.begin_attempt.remote(), timeout=60)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    if rank != 0:
+        attempt = ray.get(control.attempt.remote(), timeout=60)
+    return attempt

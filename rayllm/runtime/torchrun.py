@@ -1,0 +1,146 @@
+"""The per-rank loop under plain torch.distributed, without Ray.
+
+    torchrun --nproc_per_node 2 -m rayllm.runtime.torchrun configs/tiny.yaml run.dir=/tmp/r
+
+The data stream is the same ordered stream the Ray pipeline produces, computed
+in-process; checkpoints go to ``run.dir/checkpoint_XXXXXXXX`` (a local or shared path),
+complete once rayllm's commit marker is in them (rayllm.checkpoint.store).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayllm.config import TrainConfig
+from rayllm.data.discover import DataSpecs, prepare_data
+from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
+from rayllm.errors import RayllmError
+from rayllm.io.storage import is_remote
+from rayllm.loop.trainer import Trainer, import_init_weights
+from rayllm.runtime.monitor import RunMonitor
+from rayllm.runtime.signals import StopSignals
+
+SIGNALS = StopSignals(
+    on_first=lambda name: print(f"[rayllm] {name}: saving a checkpoint, then stopping", file=sys.stderr, flush=True)
+)
+
+
+class LocalSession:
+    def __init__(self, config: TrainConfig, plans: DataSpecs, monitor: RunMonitor | None):
+        self.config, self.plans, self.monitor = config, plans, monitor
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if config.cluster.use_gpu:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.train_spec, self.val_spec = plans.train, plans.val
+        self.prunes_checkpoints = True  # no Ray Train here to keep the last K
+        self.memory_root = None  # in-memory checkpoints need Ray's object store
+        self.node = socket.gethostname()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
+
+    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
+        """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
+        stream = local_stream(
+            self.train_spec, state, consumed=consumed, global_batch=self.config.train.global_batch_size
+        )
+        slice_, slices = self.rank // ranks_per_slice, self.world_size // ranks_per_slice
+        return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
+
+    def peak_flops(self, measure) -> float:
+        return measure()  # each torchrun start is a fresh run: nothing to remember it by
+
+    def validation_batches(self) -> list[np.ndarray]:
+        """Collective: rank 0 packs the validation batches and broadcasts them, so they are
+        tokenized once per run, not once per rank."""
+        t = self.config.train
+        box = [first_batches(self.val_spec, t.val_batches, t.global_batch_size) if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def register(self, step: int, metrics: dict[str, Any], uri: str) -> None:
+        pass  # the commit marker is the whole registration
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def stop_requested(self) -> bool:
+        return SIGNALS.requested.is_set()
+
+    def preempted(self) -> bool:
+        return False  # torchrun forwards a signal to every rank: it is a stop of the whole run
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.monitor is not None:
+            self.monitor.handle(record)
+
+
+def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
+    """Train on the process group torchrun set up (initialised here when it is not yet)."""
+    if is_remote(config.run.dir):
+        raise RayllmError("under torchrun, run.dir must be a local or shared path; use the Ray path for s3://")
+    if not dist.is_initialized():
+        if config.cluster.use_gpu:
+            # The device first, then the group bound to it: NCCL's communicators are created for
+            # that device, and no collective lands on GPU 0 by default.
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            log = (lambda *_: None) if quiet else print
+            plans = prepare_data(config, log=log)
+            import_init_weights(config, log)
+        dist.barrier()
+        if rank != 0:
+            plans = prepare_data(config, log=lambda *_: None)
+        monitor = RunMonitor(config, quiet=quiet) if rank == 0 else None
+        try:
+            metrics = Trainer(config, LocalSession(config, plans, monitor)).fit()
+        finally:
+            if monitor is not None:
+                monitor.close()
+        return metrics
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: torchrun ... -m rayllm.runtime.torchrun CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    SIGNALS.install()
+    try:
+        # The world is torchrun's: the layout and the batch split are checked against it.
+        world = [f"cluster.num_workers={os.environ['WORLD_SIZE']}"] if "WORLD_SIZE" in os.environ else []
+        config = TrainConfig.from_yaml(argv[0], overrides=[*argv[1:], *world])
+        metrics = run(config)
+    except RayllmError as e:
+        print(f"rayllm: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(
+            f"[rayllm] done: step {metrics.get('step')} loss {metrics.get('loss')} val_loss {metrics.get('val_loss')}"
+        )
+    if SIGNALS.requested.is_set():
+        return 128 + signal.SIGTERM  # stopped early (with a checkpoint), as schedulers expect
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

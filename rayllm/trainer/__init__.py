@@ -1,1 +1,0 @@
-"""The per-rank loop (torch.distributed) and its Ray Train assembly."""
