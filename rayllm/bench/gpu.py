@@ -32,14 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from rayllm.bench.speed import (
-    _cpu_name,
-    _free_port,
-    _StepSession,
-    flash_attention_fits,
-    synthetic_rows,
-    timed_steps,
-)
+from rayllm.bench.common import StepSession, cpu_name, flash_attention_fits, synthetic_rows, timed_steps
 from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 from rayllm.errors import RayllmError
@@ -52,6 +45,7 @@ from rayllm.parallel.fsdp import accumulate, apply_fsdp
 from rayllm.parallel.init import materialize
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.mesh import build_mesh, tp_mesh
+from rayllm.parallel.process_group import free_port, init_group, local_device
 from rayllm.parallel.tp import apply_tp
 
 # configs/llama-1b-1gpu.yaml's model and micro-batch (tests/test_bench_gpu.py keeps them equal).
@@ -78,7 +72,7 @@ def planner_gpu(name: str | None) -> str | None:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def published_peak(name: str | None) -> float | None:
@@ -110,15 +104,11 @@ def init_distributed(tiny: bool) -> tuple[int, int, torch.device]:
     elif not torch.cuda.is_available():
         raise RayllmError("rayllm bench gpu needs a CUDA GPU; --tiny runs the same code on CPU (gloo, fp32)")
     else:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    backend = "nccl" if device.type == "cuda" else "gloo"
+        device = local_device(True)
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, **kwargs)
+        init_group(device)
     else:
-        url = f"tcp://127.0.0.1:{_free_port()}"
-        dist.init_process_group(backend, init_method=url, rank=0, world_size=1, **kwargs)
+        init_group(device, rank=0, world_size=1)
     return rank, world, device
 
 
@@ -153,7 +143,7 @@ def bench_step(config: TrainConfig, rank: int, world: int, device: torch.device,
         torch.cuda.reset_peak_memory_stats(device)
     before = resident_bytes()
     reset_peak_resident()
-    trainer = Trainer(config, _StepSession(rank, world, device))
+    trainer = Trainer(config, StepSession(rank, world, device))
     rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), trainer.data_rank, trainer.layout.dp)
     losses, times = timed_steps(trainer, rows, warmup + steps, device)
     if cuda:
@@ -246,7 +236,7 @@ def _smoke_one_rank(config: TrainConfig, kind: str, device: torch.device) -> tup
 
 
 def _smoke_layout(config: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[list[float], str]:
-    trainer = Trainer(config, _StepSession(rank, world, device))
+    trainer = Trainer(config, StepSession(rank, world, device))
     rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), trainer.data_rank, trainer.layout.dp)
     return [trainer.train_step(rows)[0] for _ in range(SMOKE_STEPS)], trainer.layout.describe()
 
@@ -396,7 +386,7 @@ def launch(tiny: bool, out: str | None, nproc: int) -> int:
     if nproc == 1:
         return main(argv)
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1"]
-    torchrun += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "rayllm.bench.gpu", *argv]
+    torchrun += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "rayllm.bench.gpu", *argv]
     return subprocess.run(torchrun).returncode
 
 

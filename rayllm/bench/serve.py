@@ -7,10 +7,10 @@ prints served tokens/s and the p50/p99 time a rank waits for its slice, for:
 
 - ``per-rank queues`` (the design before issue 18): one threaded actor, one queue and one
   thread per rank, one call per rank per step carrying the rank's tokens;
-- ``object store`` (issue 18's first step): the stream server (data/serve.py) puts one object
+- ``object store`` (issue 18's first step): the stream server (data/stream/server.py) puts one object
   per node's worth of slices and hands out references for every ready step in one call, each
   rank asking it for itself;
-- ``node relays`` (data/relay.py, what training uses): the same server, asked once per node by
+- ``node relays`` (data/stream/relay.py, what training uses): the same server, asked once per node by
   the node's relay, which answers the node's ranks.
 
 Relays run inside the consumer processes beside their node's ranks (a Ray actor each in

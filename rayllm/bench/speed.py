@@ -26,11 +26,9 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-import types
 from contextlib import nullcontext
 from typing import Any
 
@@ -38,13 +36,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
+from rayllm.bench.common import (
+    bench_device,
+    bench_group,
+    bench_trainer,
+    cpu_name,
+    flash_attention_fits,
+    sync,
+    synthetic_rows,
+    timed_steps,
+)
 from rayllm.bench.speed_args import HELP, add_arguments
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
 from rayllm.data.order import rank_slice
-from rayllm.data.source import RECORD_DTYPE_FIELDS
 from rayllm.errors import RayllmError
 from rayllm.hardware import (
     keep_freed_memory,
@@ -55,6 +61,7 @@ from rayllm.hardware import (
 )
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel.apply import compute_dtype, should_compile
+from rayllm.parallel.process_group import free_port
 
 MEMORY_VARIANTS = {
     "plain": [],
@@ -64,57 +71,6 @@ MEMORY_VARIANTS = {
 
 
 # -- shared pieces -----------------------------------------------------------------------------
-def _device(config: TrainConfig, rank: int = 0) -> torch.device:
-    if config.cluster.use_gpu:
-        device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_group(config: TrainConfig, rank: int, world_size: int, port: int) -> None:
-    """After ``_device``: NCCL's group is bound to the device already set."""
-    kwargs = {"device_id": torch.device("cuda", torch.cuda.current_device())} if config.cluster.use_gpu else {}
-    backend = "nccl" if config.cluster.use_gpu else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs)
-
-
-def synthetic_rows(config: TrainConfig, n: int, seed: int = 0) -> np.ndarray:
-    """``n`` rows shaped like the data stream's (tokens plus ids), random tokens."""
-    seq = config.data.seq_len + 1
-    rows = np.zeros(n, dtype=[("tokens", np.int32, (seq,)), *RECORD_DTYPE_FIELDS])
-    rows["tokens"] = np.random.default_rng(seed).integers(0, config.model.vocab_size, size=(n, seq))
-    rows["index"] = np.arange(n)
-    return rows
-
-
-class _StepSession:
-    """All the Trainer's step needs from a session: no data stream, checkpoints or metrics."""
-
-    def __init__(self, rank: int, world_size: int, device: torch.device):
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.local_world_size = world_size
-        self.train_spec = types.SimpleNamespace(sources=[None])
-        self.val_spec = None
-
-
-def _trainer(config: TrainConfig, rank: int, world_size: int, device: torch.device):
-    from rayllm.loop.trainer import Trainer
-
-    return Trainer(config, _StepSession(rank, world_size, device))
-
-
 class BareLoop:
     """The baseline: the training step as a PyTorch user writes it, without rayllm."""
 
@@ -159,14 +115,14 @@ class BareLoop:
 # -- step: rayllm against the bare loop ----------------------------------------------------------
 def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, Any]:
     """One process, world size 1: both sides on the same device, taking turns."""
-    device = _device(config)
+    device = bench_device(config)
     if device.type == "cpu":
         keep_freed_memory()  # the Trainer does this too; set before either side allocates
-    _init_group(config, 0, 1, _free_port())
+    bench_group(bench_device(config), 0, 1, free_port())
     try:
         dtype = compute_dtype(config.train.precision, device)
         peak = matmul_peak_flops(device, dtype, seconds=1.0)
-        sides = {"bare": BareLoop(config, device), "rayllm": _trainer(config, 0, 1, device)}
+        sides = {"bare": BareLoop(config, device), "rayllm": bench_trainer(config, 0, 1, device)}
         rows = synthetic_rows(config, config.train.global_batch_size)
         for side in sides.values():  # warm-up: compilation, allocator, kernels chosen
             for _ in range(2):
@@ -175,11 +131,11 @@ def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, A
         for r in range(rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for name in order:
-                _sync(device)
+                sync(device)
                 start = time.perf_counter()
                 for _ in range(steps):
                     sides[name].train_step(rows)
-                _sync(device)
+                sync(device)
                 times[name].append((time.perf_counter() - start) / steps)
         # Measured again after: a peak taken while something else ran would inflate MFU.
         peak = max(peak, matmul_peak_flops(device, dtype, seconds=1.0))
@@ -189,7 +145,7 @@ def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, A
         median = {name: statistics.median(v) for name, v in times.items()}
         return {
             "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "threads": torch.get_num_threads(),
             "dtype": str(trainer.dtype).removeprefix("torch."),
             "compile": should_compile(config.train.compile, device),
@@ -209,44 +165,17 @@ def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, A
         dist.destroy_process_group()
 
 
-def flash_attention_fits(config: TrainConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether SDPA's flash kernel takes this model's attention (head size, GQA, dtype, device)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    m = config.model
-    head_dim = m.dim // m.n_heads
-    q = torch.randn(1, m.n_heads, 128, head_dim, device=device, dtype=dtype)
-    kv = torch.randn(1, m.n_kv_heads, 128, head_dim, device=device, dtype=dtype)
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=m.n_kv_heads != m.n_heads)
-        return True
-    except RuntimeError:
-        return False
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
-
-
 # -- ranks in processes of their own: tokens/s on 1 and 2 workers, memory, losses ---------------
 def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threads: int, steps: int, out) -> None:
     if threads:
         torch.set_num_threads(threads)
-    device = _device(config, rank)
-    _init_group(config, rank, world_size, port)
+    device = bench_device(config, rank)
+    bench_group(device, rank, world_size, port)
     try:
         _warm_up(config, rank, world_size, device)
         before = resident_bytes()
         reset_peak_resident()
-        trainer = _trainer(config, rank, world_size, device)
+        trainer = bench_trainer(config, rank, world_size, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), rank, world_size)
@@ -262,19 +191,6 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
         dist.destroy_process_group()
 
 
-def timed_steps(trainer, rows: np.ndarray, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """Collective: ``steps`` of the Trainer's step on the same rows, each timed alone; (losses, seconds)."""
-    losses, times = [], []
-    for _ in range(steps):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        losses.append(trainer.train_step(rows)[0])
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return losses, times
-
-
 WARM_UP_SHAPE = ["model.dim=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=4", "model.vocab_size=256"]
 
 
@@ -283,7 +199,7 @@ def _warm_up(config: TrainConfig, rank: int, world_size: int, device: torch.devi
     first step loads once (lazily imported modules, a CUDA build's libraries, gloo's and DTensor's
     first-call state; 50 to 150 MB on CPU, more with a CUDA build of torch) is not the model's."""
     tiny = config.with_overrides([*WARM_UP_SHAPE, "data.seq_len=16", "train.compile=false"])
-    trainer = _trainer(tiny, rank, world_size, device)
+    trainer = bench_trainer(tiny, rank, world_size, device)
     trainer.train_step(rank_slice(synthetic_rows(tiny, tiny.train.global_batch_size), rank, world_size))
     del trainer
     gc.collect()
@@ -296,7 +212,7 @@ def run_ranks(config: TrainConfig, world_size: int, steps: int, threads: int = 0
     tiny model's step, before the model)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, world_size, port, config, threads, steps, out))
         for r in range(world_size)

@@ -9,7 +9,11 @@
     save_memory(step) -> the same into the keepers' object store (checkpoint/memory.py), at once,
                    unregistered, the latest one kept; resume takes the newest whole checkpoint
 
+    agree()     -> once a step, one small all-reduce: whether a write is still running on some
+                   rank, whether a time-based checkpoint is due, and the loop's own stop flags
+
 One component for both sessions (Ray Train and torchrun); they differ only in ``register``.
+It owns its two gloo groups and the typed train state it writes (state.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 from rayllm import checkpoint
 from rayllm.checkpoint import memory
+from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig
 
 
@@ -36,7 +41,7 @@ class PendingCheckpoint:
     """A checkpoint being written: what rank 0 adds beside the shards, and the write's futures."""
 
     step: int
-    state: dict[str, Any]
+    state: TrainState
     metrics: dict[str, Any]
     ids: np.ndarray | None
     final: bool = False
@@ -46,24 +51,37 @@ class PendingCheckpoint:
     ids_uncommitted: np.ndarray | None = None  # in memory: the ids of a stored checkpoint still being written
 
 
+@dataclasses.dataclass(frozen=True)
+class StepAgreement:
+    """What every rank agreed on after a step (Checkpointer.agree), so that all act at the same step."""
+
+    writing: bool  # some rank's part of the pending checkpoint is still being written
+    stop: bool  # a stop was requested (SIGTERM, SIGINT, ray job stop)
+    checkpoint_due: bool  # train.checkpoint_every_s has passed since the last commit
+    preempted_rank: int | None  # a rank asked to stop on its own (a reclaimed node), or None
+
+
 class Checkpointer:
-    """Checkpoints of one rank. ``group`` is a gloo group of the checkpointer's own: the async
-    writer's collectives run in a background thread and must not interleave with the loop's.
-    ``loop_group`` is a gloo group used only from the loop's thread (in-memory saves run while
-    a stored one may still be writing: a barrier on ``group`` then met the writer's all-gather
-    on the other rank, and both waited for ever)."""
+    """Checkpoints of one rank, collective: every rank constructs it at the same point.
+
+    It creates two gloo groups of its own. ``group`` is for the async writer's collectives, which
+    run in a background thread and must not interleave with the loop's. ``loop_group`` is used
+    only from the loop's thread: the step agreement and in-memory saves, which run while a stored
+    one may still be writing (a barrier on ``group`` then met the writer's all-gather on the other
+    rank, and both waited for ever)."""
 
     def __init__(
         self,
         config: TrainConfig,
         session,
         device: torch.device,
-        group=None,
-        loop_group=None,
+        tokenizer_json: str | None,
         before_commit: Callable[[int, int, int], None] = lambda step, rank, world: None,
     ):
-        self.config, self.session, self.device, self.group = config, session, device, group
-        self.loop_group = loop_group
+        self.config, self.session, self.device = config, session, device
+        self.tokenizer_json = tokenizer_json  # the run's, written beside every stored checkpoint
+        distributed = dist.is_initialized() and session.world_size > 1
+        self.loop_group, self.group = [dist.new_group(backend="gloo") for _ in range(2)] if distributed else [None] * 2
         self.before_commit = before_commit  # (step, rank, world): the tests' crash between write and commit
         self.store = checkpoint.CheckpointStore(config.run.dir, config.storage)
         self.pending: PendingCheckpoint | None = None
@@ -79,6 +97,17 @@ class Checkpointer:
         self._tidier = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayllm-tidy") if session.rank == 0 else None
         )
+
+    def agree(self, stop_requested: bool, preempted: bool) -> StepAgreement:
+        """Collective, once a step: one small all-reduce on the loop's group."""
+        every_s = self.config.train.checkpoint_every_s
+        due = bool(every_s) and time.monotonic() - self.last_at >= every_s and self.session.rank == 0
+        preempt = self.session.rank + 1 if preempted else 0
+        flags = torch.tensor([self.writing(), stop_requested, due, preempt], dtype=torch.int32)
+        if self.loop_group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.loop_group)
+        writing, stop, due, preempt = flags.tolist()
+        return StepAgreement(bool(writing), bool(stop), bool(due), preempt - 1 if preempt else None)
 
     # -- resume ----------------------------------------------------------------------------
     def latest(self) -> str | None:
@@ -99,37 +128,60 @@ class Checkpointer:
                 if memory.whole(self.memory.uri(step)):
                     choice[0] = self.memory.uri(step)
                     break
-        if dist.is_initialized() and self.session.world_size > 1:
+        if self.group is not None:
             dist.broadcast_object_list(choice, src=0, group=self.group)
         return choice[0]
 
     def is_memory(self, uri: str) -> bool:
         return uri.startswith(f"{memory.PROTOCOL}://")
 
-    def ids_since_stored(self, uri: str, state: dict[str, Any]) -> list[np.ndarray]:
+    def ids_since_stored(self, uri: str, state: TrainState) -> list[np.ndarray]:
         """After resuming from memory: the ids trained on since the last committed stored
         checkpoint, which the next stored one records: those of a stored checkpoint that was
         being written unless it got committed after all, then the later ones. This rank takes
         those of old ranks rank, rank + world, ..."""
         rank, world = self.session.rank, self.session.world_size
         names = ["consumed-rank{:05d}.npy"]
-        if state.get("ids_uncommitted_step") not in (None, *self.store.complete_steps()):
+        if state.ids_uncommitted_step not in (None, *self.store.complete_steps()):
             names.insert(0, "uncommitted-rank{:05d}.npy")
         folder, found = self.memory.fs._strip_protocol(uri), []
-        for old in range(rank, state["world_size"], world):
+        for old in range(rank, state.world_size, world):
             for name in names:
                 path = posixpath.join(folder, name.format(old))
                 if self.memory.fs.exists(path):
                     found.append(np.load(io.BytesIO(self.memory.fs.cat_file(path))))
         return [ids for ids in found if len(ids)]  # an empty record has no fields to join with the rest
 
-    def restore(self, uri: str, model, optimizer) -> dict[str, Any]:
+    def restore(self, uri: str, model, optimizer) -> TrainState:
         """Collective: model and optimizer from the complete checkpoint ``uri``; returns its state."""
         checkpoint.require_complete(uri, self.config.storage)
         checkpoint.load(uri, self.config.storage, model, optimizer)
         return checkpoint.read_state(uri, self.config.storage)
 
     # -- save ------------------------------------------------------------------------------
+    def save_step(
+        self,
+        state: TrainState,
+        metrics: dict[str, Any],
+        ids: np.ndarray | None,
+        model,
+        optimizer,
+        *,
+        final: bool,
+        in_memory: bool = False,
+    ) -> None:
+        """Collective: checkpoint this step to storage (save) or into the keepers (save_memory).
+        ``ids``: the sequences this rank trained on since the last stored checkpoint (data.record_ids)."""
+        ckpt = PendingCheckpoint(state.step, state, dict(metrics), ids, final=final)
+        if not in_memory:
+            self.save(ckpt, model, optimizer)
+            return
+        uncommitted = self.pending  # a stored checkpoint still being written: its ids are held here too
+        if ids is not None and uncommitted is not None:
+            ckpt.ids_uncommitted = uncommitted.ids
+            state.ids_uncommitted_step = uncommitted.step
+        self.save_memory(ckpt, model, optimizer)
+
     def save(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
         """Collective: checkpoint this step. Async unless final or train.async_checkpoint is off."""
         started = time.perf_counter()
@@ -159,7 +211,7 @@ class Checkpointer:
             self.memory.write_state(step, ckpt.state, None)
         _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
         _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
-        if dist.is_initialized() and world > 1:
+        if self.loop_group is not None:
             dist.barrier(group=self.loop_group)  # every rank's part is held
         if rank == 0:
             self.memory.mark_complete(step, world)
@@ -191,10 +243,10 @@ class Checkpointer:
             ckpt.written.result()
             ckpt.written = None
         if rank == 0:  # rank 0's part, stored before the others may be: only the marker makes it count
-            self.store.write_state(ckpt.step, ckpt.state, self.session.train_spec.sources[0].tokenizer_json)
+            self.store.write_state(ckpt.step, ckpt.state, self.tokenizer_json)
         self.before_commit(ckpt.step, rank, world)
         _write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
-        if dist.is_initialized() and world > 1:
+        if self.group is not None:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
             self.store.mark_complete(ckpt.step, world)

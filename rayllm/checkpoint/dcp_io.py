@@ -8,6 +8,7 @@ folder a checkpoint (rank 0's state, the commit marker) is store.py's business.
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -120,3 +121,13 @@ def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimi
     state_dict = {"model": model_sd, "optim": optim_sd}
     dcp.load(state_dict, storage_reader=reader(uri, storage))
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+
+
+def load_whole_model(uri: str, storage: StorageSettings, model: nn.Module, what: str) -> None:
+    """One process, no process group: the model's tensors of checkpoint ``uri``, in place, whatever
+    number of ranks wrote it (DCP reshards). The optimizer state is not read."""
+    model_state = model.state_dict()
+    check_model_shapes(reader(uri, storage), uri, model_state, what=what)
+    with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model_state}, storage_reader=reader(uri, storage))  # into the model's own tensors

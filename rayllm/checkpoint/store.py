@@ -18,6 +18,7 @@ import posixpath
 import re
 import time
 
+from rayllm.checkpoint.state import TrainState
 from rayllm.errors import CheckpointError
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem, full_uri
@@ -52,13 +53,13 @@ class CheckpointStore:
         return posixpath.join(self.root, checkpoint_name(step))
 
     # -- writing (rank 0, after every rank's part is stored) -------------------------------
-    def write_state(self, step: int, state: dict, tokenizer_json: str | None) -> None:
+    def write_state(self, step: int, state: TrainState, tokenizer_json: str | None) -> None:
         """Rank 0's part: the step, data position, metrics and model shape, and the tokenizer."""
         folder = self.path(step)
         self.fs.makedirs(folder, exist_ok=True)
         if tokenizer_json is not None:
             self.fs.pipe_file(posixpath.join(folder, TOKENIZER_FILE), tokenizer_json.encode())
-        self.fs.pipe_file(posixpath.join(folder, STATE_FILE), json.dumps(state).encode())
+        self.fs.pipe_file(posixpath.join(folder, STATE_FILE), json.dumps(state.to_json()).encode())
 
     def mark_complete(self, step: int, world_size: int) -> None:
         """Written last: from now on the folder is a checkpoint."""
@@ -111,10 +112,16 @@ class CheckpointStore:
             self.fs.rm(self.path(step), recursive=True)
 
 
-def read_state(uri: str, storage: StorageSettings) -> dict:
+def read_state(uri: str, storage: StorageSettings) -> TrainState:
     """Rank 0's part of a checkpoint: step, data position, metrics, model shape."""
     fs, path = filesystem(uri, storage)
-    return json.loads(fs.cat_file(posixpath.join(path.rstrip("/"), STATE_FILE)))
+    try:
+        raw = fs.cat_file(posixpath.join(path.rstrip("/"), STATE_FILE))
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {uri} has no {STATE_FILE}: it is incomplete or not a rayllm checkpoint"
+        ) from None
+    return TrainState.from_json(json.loads(raw), uri)
 
 
 def is_complete(uri: str, storage: StorageSettings) -> bool:

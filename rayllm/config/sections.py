@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rayllm.model.shape import ModelShape
+
 
 @dataclass
 class RunSettings:
@@ -57,25 +59,12 @@ class DataSettings:
 
 
 @dataclass
-class ModelSettings:
-    """Llama-style decoder shape."""
+class ModelSettings(ModelShape):
+    """Llama-style decoder shape (rayllm.model.shape, the one definition), and where to start from.
 
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 4096
-    ffn_hidden: int | None = None  # default: 8/3 * dim rounded up to ffn_multiple_of
-    ffn_multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # Llama 3.1-style rotary scaling (transformers' rope_type "llama3"): 1.0 is none. Long
-    # wavelengths are slowed by the factor, short ones kept, those between blended.
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    tie_embeddings: bool = False
+    Not frozen, unlike the shape it extends: model.init_from's config.json fills it in on the driver.
+    """
+
     # A local Hugging Face Llama folder (config.json, safetensors, tokenizer.json) to start from:
     # continued pretraining. Its config.json sets the shape above, its tokenizer.json data.tokenizer
     # (unless set), and its weights replace the random initialisation.

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from rayllm.config import SourceSettings, TrainConfig
-from rayllm.config.resolve import resolve
 from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.order import StreamSpec
@@ -90,8 +89,8 @@ def _pretokenized(shards: list[str], storage) -> bool:
 
 
 def prepare_data(config: TrainConfig, log=print) -> DataSpecs:
-    """Resolve the config (in place) and plan its data streams, on the driver, before any worker starts."""
-    resolve(config)
+    """Plan a resolved config's data streams (rayllm.config.resolve first), on the driver, before any
+    worker starts."""
     d, storage = config.data, config.storage
     _ensure_demo(config, log)
     sources = _sources(config)

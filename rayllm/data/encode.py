@@ -1,6 +1,6 @@
 """Tokenize a reading task's documents in Ray tasks, as many at once as the run consumes.
 
-A group's reading task (groups.py) reads, packs and merges its shards in order; that part
+A group's reading task (shard_groups.py) reads, packs and merges its shards in order; that part
 is cheap (about a tenth of the time). Tokenizing is the rest, and it is independent per
 document, so the reading task hands batches of documents to short Ray tasks and packs
 their token ids in the original order: the stream is the same whatever the number of

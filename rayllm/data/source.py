@@ -3,7 +3,7 @@
 Every sequence has a stable id (source, epoch, shard, index) and a place it starts
 (document, token offset): restarting a shard there reads it up to that document,
 tokenizes from there on, and nothing else. Which shards are read together, and in what
-order, is groups.py's business.
+order, is shard_groups.py's business.
 
 The functions here are plain Python: Ray Data runs them in its tasks and the torchrun
 path in-process, so both produce identical rows.

@@ -20,6 +20,11 @@ class Session(Protocol):
     device: torch.device
     node: str  # where this rank runs, as a person would name it (hang and straggler reports)
     attempt: int  # this attempt's number, 1 for the first
+    # Wall-clock times at which this attempt's start-up stages ended, by stage ("process", "loop",
+    # "attempt", "model", ...): the loop adds its own, and reports them with the first step
+    # (``rayllm bench recovery``'s breakdown).
+    phases: dict[str, float]
+    stream_kept: bool | None  # whether this attempt's data came from a running stream; None: no such stream
 
     train_spec: StreamSpec
     val_spec: StreamSpec | None

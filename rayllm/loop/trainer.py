@@ -8,8 +8,9 @@ worker and under plain torchrun.
         global batch rows for this rank -> micro-batches: forward/backward (accumulate)
         -> clip -> lr -> optimizer step -> log / validate / checkpoint
 
-Components: MetricWindow (metrics.py), Validator (validation.py), Checkpointer (checkpointer.py),
-HangWatchdog (watchdog.py); what the loop needs of its environment: Session (session.py).
+Components: MetricWindow (metrics.py), Validator (validation.py), DataLedger (ledger.py), the
+optimizer and its schedule (optimizer.py), HangWatchdog (watchdog.py), and the Checkpointer with
+its typed TrainState (rayllm.checkpoint); what the loop needs of its environment: Session (session.py).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import torch
 import torch.distributed as dist
 
 from rayllm.checkpoint import hf_import
-from rayllm.checkpoint.checkpointer import Checkpointer, PendingCheckpoint
+from rayllm.checkpoint.checkpointer import Checkpointer, StepAgreement
+from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig, check_batch_split
 from rayllm.data.order import DataState
 from rayllm.data.prefetch import prefetched
-from rayllm.data.source import ID_FIELDS
 from rayllm.errors import RayllmError
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.loop import fault_injection as faults
+from rayllm.loop.ledger import DataLedger
 from rayllm.loop.metrics import MetricWindow, all_nodes, all_sum, plain
-from rayllm.loop.schedule import lr_at
+from rayllm.loop.optimizer import build_optimizer, set_lr
 from rayllm.loop.session import Session
 from rayllm.loop.validation import Validator
 from rayllm.loop.watchdog import HangWatchdog
@@ -61,16 +63,6 @@ def import_init_weights(config: TrainConfig, log) -> None:
     """Driver (or torchrun's rank 0): model.init_from's folder converted into the run dir, once."""
     if config.model.init_from:
         hf_import.convert(config.model.init_from, model_args(config), config.run.dir, config.storage, log)
-
-
-def build_optimizer(model: torch.nn.Module, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; norms and other 1-D weights get no weight decay."""
-    t = config.train
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel (one per device, CPU too) beats the foreach loop: 4% of the tiny step on CPU.
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
 
 def agreed_ranks_per_node(session: Session) -> int | None:
@@ -102,8 +94,6 @@ class Trainer:
         )
         self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
         self.data_rank = self.layout.data_rank(session.rank)
-        # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
-        self.counts_data = session.rank % self.layout.tp == 0
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -121,20 +111,16 @@ class Trainer:
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
         self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
-        self.source_counts = np.zeros(len(session.train_spec.sources), dtype=np.int64)  # this rank's, per source
-        self.source_counts_before = np.zeros_like(self.source_counts)  # all ranks', before this attempt
+        # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
+        keeps = session.rank % self.layout.tp == 0
+        self.ledger = DataLedger(len(session.train_spec.sources), keeps, config.data.record_ids)
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
-        self._consumed_ids: list[np.ndarray] = []  # since the last checkpoint, with data.record_ids
-        # Two gloo groups of their own: one for the background writer's collectives, one for the
-        # per-step control flags. Collectives from two threads on one group would interleave.
-        self._control_group = None
-        self.checkpointer: Checkpointer | None = None
+        self.checkpointer: Checkpointer | None = None  # built in fit(): collective, on every rank
         self.stopped = False  # ended early on a stop request, with a checkpoint
         self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
         self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
-        self.phases: dict[str, float] = getattr(session, "phases", {})  # start-up stages' wall-clock times
-        self.phases["model"] = time.time()
+        session.phases["model"] = time.time()
 
     # -- state ---------------------------------------------------------------------------
     def restore(self) -> None:
@@ -146,68 +132,33 @@ class Trainer:
                 hf_import.load(self.model, uri, self.config.storage)
             return
         state = self.checkpointer.restore(uri, self.model, self.optimizer)
-        self.resumed_from = "memory" if self.checkpointer.is_memory(uri) else "storage"
-        self.step, self.consumed = state["step"], state["consumed"]
-        self.data_state = DataState.from_dict(state.get("data"))
-        counts = state.get("source_counts") or []
-        if len(counts) == len(self.source_counts):
-            self.source_counts_before = np.asarray(counts, dtype=np.int64)
-        self.last_metrics = state.get("metrics", {})
-        self.restarts = state.get("restarts", 0) + 1
-        if self.checkpointer.is_memory(uri) and self.config.data.record_ids and self.counts_data:
-            self._consumed_ids = self.checkpointer.ids_since_stored(uri, state)
+        in_memory = self.checkpointer.is_memory(uri)
+        self.resumed_from = "memory" if in_memory else "storage"
+        self.step, self.consumed, self.data_state = state.step, state.consumed, state.data
+        self.last_metrics = state.metrics
+        self.restarts = state.restarts + 1
+        keeps_ids = in_memory and self.ledger.record_ids and self.ledger.keeps
+        ids = self.checkpointer.ids_since_stored(uri, state) if keeps_ids else None
+        self.ledger.restore(state, ids)
 
-    def _state(self, metrics: dict[str, Any], source_counts: list[int]) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "consumed": self.consumed,
-            "data": self.data_state.to_dict(),
-            "source_counts": source_counts,
-            "metrics": metrics,
-            "restarts": self.restarts,
-            "world_size": self.session.world_size,
-            "layout": dataclasses.asdict(self.layout),
-            "model": dataclasses.asdict(self.args),  # so the checkpoint alone can be loaded (generate, export)
-        }
+    def _state(self, metrics: dict[str, Any], source_counts: list[int]) -> TrainState:
+        return TrainState(
+            step=self.step,
+            consumed=self.consumed,
+            data=self.data_state,
+            source_counts=source_counts,
+            metrics=metrics,
+            restarts=self.restarts,
+            world_size=self.session.world_size,
+            layout=dataclasses.asdict(self.layout),
+            model=self.args,
+        )
 
-    # -- checkpoints -----------------------------------------------------------------------
     def _checkpoint(self, metrics: dict[str, Any], final: bool, in_memory: bool = False) -> None:
         """Collective: checkpoint this step to storage, or into the keepers (see Checkpointer)."""
-        counts = all_sum([float(c) for c in self.source_counts], self.device)
-        total_counts = [int(b + c) for b, c in zip(self.source_counts_before, counts, strict=True)]
-        ids, state = None, self._state(metrics, total_counts)
-        if self.config.data.record_ids and self.counts_data:
-            # The ids trained on since the previous stored checkpoint, committed with this one (one
-            # rank of each TP group writes them: its peers trained on the same rows). An in-memory
-            # checkpoint holds them too, and those of a stored one not yet committed, for the
-            # stored one after a resume from it.
-            ids = np.concatenate(self._consumed_ids) if self._consumed_ids else np.empty(0)
-            self._consumed_ids = [ids] if in_memory and len(ids) else []  # (an empty one has no fields)
-        pending = PendingCheckpoint(self.step, state, dict(metrics), ids, final=final)
-        if in_memory:
-            uncommitted = self.checkpointer.pending
-            if ids is not None and uncommitted is not None:
-                pending.ids_uncommitted = uncommitted.ids
-                state["ids_uncommitted_step"] = uncommitted.step
-            self.checkpointer.save_memory(pending, self.model, self.optimizer)
-        else:
-            self.checkpointer.save(pending, self.model, self.optimizer)
-
-    def _control(self) -> tuple[bool, bool, bool, int | None]:
-        """(a write still running on some rank, stop requested, checkpoint time due, a preempted
-        rank or None): agreed by all ranks with one small all-reduce on the gloo group, so they
-        act at the same step."""
-        t = self.config.train
-        busy = self.checkpointer.writing()
-        due = bool(t.checkpoint_every_s) and time.monotonic() - self.checkpointer.last_at >= t.checkpoint_every_s
-        preempt = self.session.rank + 1 if self.session.preempted() else 0
-        flags = torch.tensor(
-            [busy, self.session.stop_requested(), due and self.session.rank == 0, preempt], dtype=torch.int32
-        )
-        if self._control_group is not None and self.session.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_group)
-        busy, stop, due, preempt = flags.tolist()
-        return bool(busy), bool(stop), bool(due), (preempt - 1 if preempt else None)
+        state = self._state(metrics, self.ledger.totals(self.device))
+        ids = self.ledger.take_ids(in_memory)
+        self.checkpointer.save_step(state, metrics, ids, self.model, self.optimizer, final=final, in_memory=in_memory)
 
     def _diverged(self) -> RayllmError:
         """Collective: commit what is pending (finite weights), then the error that ends the run."""
@@ -225,16 +176,11 @@ class Trainer:
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
         t = self.config.train
-        if self.counts_data:
-            if self.config.data.record_ids:
-                self._consumed_ids.append(rows[list(ID_FIELDS)].copy())
-            self.source_counts += np.bincount(rows["source"], minlength=len(self.source_counts))
+        self.ledger.record(rows)
         tokens = np.ascontiguousarray(rows["tokens"])
         batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
         micro = batch.split(t.micro_batch_size)
-        lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, max_steps=t.max_steps, min_lr_ratio=t.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, self.step, self.config)
         total = torch.zeros((), device=self.device)
 
         def backward(rows_i: torch.Tensor) -> None:
@@ -269,37 +215,59 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to the end (or a stop), under a hang watchdog (watchdog.py)."""
         session = self.session
-        node, attempt = getattr(session, "node", "?"), getattr(session, "attempt", 1)
-        watchdog = HangWatchdog(self.config, session.rank, session.world_size, node, attempt, session.emit)
+        watchdog = HangWatchdog(
+            self.config, session.rank, session.world_size, session.node, session.attempt, session.emit
+        )
         try:
-            return self._fit(watchdog, node)
+            return self._fit(watchdog)
         finally:
             watchdog.stop()
 
-    def _fit(self, watchdog: HangWatchdog, node: str) -> dict[str, Any]:
+    def _fit(self, watchdog: HangWatchdog) -> dict[str, Any]:
         t, session = self.config.train, self.session
-        # Collectives, every rank here: the control flags' group, then the background writer's.
-        groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
-        self._control_group, checkpoint_group = groups
         self.checkpointer = Checkpointer(
             self.config,
             session,
             self.device,
-            checkpoint_group,
-            self._control_group,
+            tokenizer_json=session.train_spec.sources[0].tokenizer_json,
             before_commit=faults.maybe_crash_before_commit,
         )
-        self.phases["checkpointer"] = time.time()
+        session.phases["checkpointer"] = time.time()
         self.restore()
-        self.phases["restored"] = time.time()
+        session.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
         if self.step >= end:
             self._emit("done", **{"step": self.step, **self.last_metrics})
             session.report(self.last_metrics)
             self.checkpointer.close()
             return self.last_metrics
+        fpt, peak_flops = self._announce_start()
+        batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
+        # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
+        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
+        if self.step == 0 and (val := validator.loss()) is not None:
+            self._emit("val", step=0, val_loss=val)
+        window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.ledger.counts_before)
+        metrics: dict[str, Any] = dict(self.last_metrics)
+        start = self.step
+        while self.step < end:
+            with watchdog.slow():  # a test's hold before a step (fault injection) is not a hang
+                faults.maybe_pause_before(self.step + 1)
+            step_started = time.monotonic()
+            self._train_next(batches, window, first=self.step == start)
+            agreed = self.checkpointer.agree(session.stop_requested(), session.preempted())
+            watchdog.beat(self.step, time.monotonic() - step_started)
+            if self._after_step(agreed, end, window, validator, watchdog, metrics):
+                break
+        self.checkpointer.close()
+        self.last_metrics = metrics
+        return metrics
+
+    def _announce_start(self) -> tuple[float, float]:
+        """Collective: the matmul peak (MFU's denominator), and the "start" record; (FLOPs per token, peak)."""
+        session = self.session
         fpt = flops_per_token(self.args, self.config.data.seq_len)
-        # MFU's denominator: every rank's measured matmul peak, together (before data loads start).
+        # Every rank's measured matmul peak, together (before data loads start).
         measure = lambda: all_sum([matmul_peak_flops(self.device)], self.device)[0]  # noqa: E731
         peak_flops = session.peak_flops(measure)
         self._emit(
@@ -313,61 +281,54 @@ class Trainer:
             resumed_from=self.resumed_from,
             accum_steps=self.accum,
             layout=self.layout.describe(),
-            nodes=all_nodes(node),
+            nodes=all_nodes(session.node),
         )
-        batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
-        # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
-        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
-        if self.step == 0 and (val := validator.loss()) is not None:
-            self._emit("val", step=0, val_loss=val)
-        window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.source_counts_before)
-        metrics: dict[str, Any] = dict(self.last_metrics)
-        start = self.step
-        while self.step < end:
-            with watchdog.slow():  # a test's hold before a step (fault injection) is not a hang
-                faults.maybe_pause_before(self.step + 1)
-            step_started = time.monotonic()
-            self._train_next(batches, window, first=self.step == start)
-            busy, stop, due, preempted = self._control()
-            watchdog.beat(self.step, time.monotonic() - step_started)
-            if self.checkpointer.pending is not None and not busy:
-                self.checkpointer.commit(self.checkpointer.pending)
-            last = self.step == end or stop or preempted is not None
-            log = self.step % t.log_every == 0 or last
-            if log:
-                self._log(window, metrics, watchdog.collective_fraction())
-            if self.step % t.val_every == 0 or last:
-                with watchdog.slow():
-                    self._validate(validator, metrics)
-            # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
-            if (self.step % t.checkpoint_every == 0 or due or last) and not self.nonfinite_in_row:
-                with watchdog.slow():
-                    self._checkpoint(metrics, final=last)
-            # In memory too when due, unless a stored checkpoint of this step is already committed:
-            # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
-            memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
-            if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
-                with watchdog.slow():
-                    self._checkpoint(metrics, final=False, in_memory=True)
-            if preempted is not None:
-                self.checkpointer.close()
-                self._emit("preempted", step=self.step, rank=preempted)
-                raise WorkerPreempted(
-                    f"rank {preempted} was asked to stop (SIGTERM or a preemption notice); checkpointed at step "
-                    f"{self.step}, restarting from there"
-                )
-            if stop:
-                self.stopped = True
-                self._emit("stopped", step=self.step)
-                break
-            if log:
-                window.start()  # the next window's clock: validation and checkpoints are not step time
-        self.checkpointer.close()
-        self.last_metrics = metrics
-        close = getattr(session, "close", None)
-        if close is not None:
-            close()
-        return metrics
+        return fpt, peak_flops
+
+    def _after_step(
+        self,
+        agreed: StepAgreement,
+        end: int,
+        window: MetricWindow,
+        validator: Validator,
+        watchdog: HangWatchdog,
+        metrics: dict[str, Any],
+    ) -> bool:
+        """Collective: commit, log, validate and checkpoint as due; whether the loop ends here."""
+        t = self.config.train
+        if self.checkpointer.pending is not None and not agreed.writing:
+            self.checkpointer.commit(self.checkpointer.pending)
+        last = self.step == end or agreed.stop or agreed.preempted_rank is not None
+        log = self.step % t.log_every == 0 or last
+        if log:
+            self._log(window, metrics, watchdog.collective_fraction())
+        if self.step % t.val_every == 0 or last:
+            with watchdog.slow():
+                self._validate(validator, metrics)
+        # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
+        if (self.step % t.checkpoint_every == 0 or agreed.checkpoint_due or last) and not self.nonfinite_in_row:
+            with watchdog.slow():
+                self._checkpoint(metrics, final=last)
+        # In memory too when due, unless a stored checkpoint of this step is already committed:
+        # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
+        memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
+        if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
+            with watchdog.slow():
+                self._checkpoint(metrics, final=False, in_memory=True)
+        if agreed.preempted_rank is not None:
+            self.checkpointer.close()
+            self._emit("preempted", step=self.step, rank=agreed.preempted_rank)
+            raise WorkerPreempted(
+                f"rank {agreed.preempted_rank} was asked to stop (SIGTERM or a preemption notice); checkpointed at "
+                f"step {self.step}, restarting from there"
+            )
+        if agreed.stop:
+            self.stopped = True
+            self._emit("stopped", step=self.step)
+            return True
+        if log:
+            window.start()  # the next window's clock: validation and checkpoints are not step time
+        return False
 
     def _train_next(self, batches: Iterator[tuple[np.ndarray, DataState]], window: MetricWindow, first: bool) -> None:
         """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
@@ -383,10 +344,8 @@ class Trainer:
             self._emit("skipped", step=self.step, shards=skipped)
         self.data_state = data_state
         if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
-            phases = {**self.phases, "batch": batch_at}
-            self._emit(
-                "first_step", step=self.step, phases=phases, stream_kept=getattr(self.session, "stream_kept", None)
-            )
+            phases = {**self.session.phases, "batch": batch_at}
+            self._emit("first_step", step=self.step, phases=phases, stream_kept=self.session.stream_kept)
         if self.nonfinite_in_row:
             self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
             if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
@@ -401,7 +360,7 @@ class Trainer:
             lr=lr,
             tokens=tokens,
             skipped_shards=len(self.data_state.skipped),
-            counts=self.source_counts,
+            counts=self.ledger.counts,
             collective_frac=collective_frac,
         )
         metrics.update(update)

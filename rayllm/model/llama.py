@@ -9,41 +9,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelArgs:
-    dim: int = 256
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    vocab_size: int = 4096
-    ffn_hidden: int | None = None
-    ffn_multiple_of: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling_factor: float = 1.0  # 1.0: plain rotary embeddings; else Llama 3.1-style scaling
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_len: int = 8192
-    tie_embeddings: bool = False
-    max_seq_len: int = 2048
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        hidden = int(8 * self.dim / 3)
-        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+from rayllm.model.shape import ModelArgs
 
 
 class RMSNorm(nn.Module):

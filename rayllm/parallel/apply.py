@@ -24,7 +24,7 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 def should_compile(setting: bool | str, device: torch.device, tp: int = 1) -> bool:
     """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
-    and not under tensor parallelism (see config_checks.check_parallel)."""
+    and not under tensor parallelism (see rayllm.config.checks.check_parallel)."""
     return device.type == "cuda" and tp == 1 if setting == "auto" else bool(setting)
 
 

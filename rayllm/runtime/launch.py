@@ -19,6 +19,7 @@ import yaml
 
 from rayllm.checkpoint.memory import start_registry
 from rayllm.config import TrainConfig
+from rayllm.config.resolve import resolve
 from rayllm.data.discover import prepare_data
 from rayllm.data.order import first_batches
 from rayllm.data.stream.server import start_server
@@ -159,6 +160,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     """Train as ``config`` says and return the final metrics and the latest checkpoint."""
     started = time.time()
     log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
+    resolve(config)  # model.init_from's shape and tokenizer, read once, here on the driver
     plans = prepare_data(config, log=log)
     import_init_weights(config, log)
     resolved = yaml.safe_dump(config.redacted(), sort_keys=False)

@@ -13,18 +13,20 @@ import os
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from rayllm.config import TrainConfig
+from rayllm.config.resolve import resolve
 from rayllm.data.discover import DataSpecs, prepare_data
 from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
 from rayllm.errors import RayllmError
 from rayllm.io.storage import is_remote
 from rayllm.loop.trainer import Trainer, import_init_weights
+from rayllm.parallel.process_group import init_group, local_device
 from rayllm.runtime.monitor import RunMonitor
 from rayllm.runtime.signals import StopSignals
 
@@ -38,16 +40,14 @@ class LocalSession:
         self.config, self.plans, self.monitor = config, plans, monitor
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        if config.cluster.use_gpu:
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
+        self.device = local_device(config.cluster.use_gpu)
         self.train_spec, self.val_spec = plans.train, plans.val
         self.prunes_checkpoints = True  # no Ray Train here to keep the last K
         self.memory_root = None  # in-memory checkpoints need Ray's object store
         self.node = socket.gethostname()
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1
+        self.phases: dict[str, float] = {"loop": time.time()}
+        self.stream_kept: bool | None = None  # every attempt computes its stream afresh
 
     def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
         """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
@@ -91,15 +91,9 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
     if is_remote(config.run.dir):
         raise RayllmError("under torchrun, run.dir must be a local or shared path; use the Ray path for s3://")
     if not dist.is_initialized():
-        if config.cluster.use_gpu:
-            # The device first, then the group bound to it: NCCL's communicators are created for
-            # that device, and no collective lands on GPU 0 by default.
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
+        init_group(local_device(config.cluster.use_gpu))
     rank = dist.get_rank()
+    resolve(config)  # model.init_from's shape, read by each process here: torchrun has no driver
     try:
         if rank == 0:
             log = (lambda *_: None) if quiet else print

@@ -8,19 +8,14 @@ on local disk or object storage.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import tempfile
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
+import posixpath
+from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
 
-from rayllm.checkpoint import STATE_FILE, TOKENIZER_FILE, check_model_shapes, find_checkpoint, hf
+from rayllm.checkpoint import TOKENIZER_FILE, find_checkpoint, hf, load_whole_model, read_state
 from rayllm.data import tokenizer as tokenizers
 from rayllm.errors import CheckpointError
 from rayllm.io.settings import StorageSettings
@@ -85,19 +80,14 @@ def load_checkpoint(
     ``tokenizer`` (a tokenizer.json) replaces the one the checkpoint carries.
     """
     storage = storage or StorageSettings()
-    with local_checkpoint(path, storage) as (local, uri):
-        state = _read_state(local, uri)
-        args = model_args_of(state, uri)
-        model = Llama(args)
-        model_state = model.state_dict()
-        check_model_shapes(dcp.FileSystemReader(local), uri, model_state, what="the shape in its train_state.json")
-        with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({"model": model_state}, checkpoint_id=local)  # in place, into the model's own tensors
-        tokenizer_text = _tokenizer_text(local, uri, tokenizer, storage)
+    uri = find_checkpoint(path, storage)
+    state = read_state(uri, storage)
+    model = Llama(state.model_args(uri))
+    load_whole_model(uri, storage, model, what="the shape in its train_state.json")
+    tokenizer_text = _read_tokenizer(tokenizer, storage) if tokenizer else _checkpoint_tokenizer(uri, storage)
     model.to(resolve_device(device)).eval()
     tok = tokenizers.load(tokenizer_text, f"of checkpoint {uri}")
-    return Pretrained(model=model, tokenizer=tok, source=uri, step=state.get("step"))
+    return Pretrained(model=model, tokenizer=tok, source=uri, step=state.step)
 
 
 def load(
@@ -116,33 +106,10 @@ def load(
     return load_checkpoint(path, storage=storage, device=device, tokenizer=tokenizer)
 
 
-def model_args_of(state: dict, uri: str) -> ModelArgs:
-    raw = state.get("model")
-    if not raw:
-        raise CheckpointError(
-            f"checkpoint {uri} does not say its model's shape (it predates rayllm 0.1's model record in "
-            f"{STATE_FILE}); resume the run for one step to write a new checkpoint"
-        )
-    known = {f.name for f in fields(ModelArgs)}
-    return ModelArgs(**{k: v for k, v in raw.items() if k in known})
-
-
-def _read_state(local: str, uri: str) -> dict:
+def _checkpoint_tokenizer(uri: str, storage: StorageSettings) -> str:
+    fs, p = filesystem(uri, storage)
     try:
-        with open(os.path.join(local, STATE_FILE)) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint {uri} has no {STATE_FILE}: it is incomplete or not a rayllm checkpoint"
-        ) from None
-
-
-def _tokenizer_text(local: str, uri: str, override: str | None, storage: StorageSettings) -> str:
-    if override:
-        return _read_tokenizer(override, storage)
-    try:
-        with open(os.path.join(local, TOKENIZER_FILE)) as f:
-            return f.read()
+        return fs.cat_file(posixpath.join(p.rstrip("/"), TOKENIZER_FILE)).decode()
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {uri} carries no {TOKENIZER_FILE}; pass the run's tokenizer (--tokenizer PATH)"
@@ -154,19 +121,6 @@ def _read_tokenizer(path: str, storage: StorageSettings) -> str:
     if not fs.exists(p):
         raise CheckpointError(f"tokenizer {path} does not exist; give a tokenizer.json path")
     return fs.cat_file(p).decode()
-
-
-@contextlib.contextmanager
-def local_checkpoint(path: str, storage: StorageSettings) -> Iterator[tuple[str, str]]:
-    """(a local folder holding the checkpoint, its URI): object storage is copied to a temporary folder."""
-    uri = find_checkpoint(path, storage)
-    if not is_remote(uri):
-        yield uri, uri
-        return
-    fs, p = filesystem(uri, storage)
-    with tempfile.TemporaryDirectory(prefix="rayllm-checkpoint-") as tmp:
-        fs.get(p.rstrip("/") + "/", tmp + "/", recursive=True)
-        yield tmp, uri
 
 
 def load_hf(folder: str, *, device: str | torch.device | None = "auto"):

@@ -19,9 +19,9 @@ BELOW = {
     "autoscaler": set(),
     "model": {"errors"},
     "parallel": {"model", "errors"},
-    "config": {"io", "errors", "parallel", "checkpoint"},  # checks: layout arithmetic; resolve: HF config.json
+    "config": {"io", "errors", "model", "parallel", "checkpoint"},  # checks: layout arithmetic; resolve: HF config.json
     "data": {"io", "config", "errors"},
-    "checkpoint": {"io", "config", "model", "errors"},
+    "checkpoint": {"io", "config", "model", "data", "errors"},
     "loop": {"checkpoint", "data", "parallel", "model", "config", "io", "errors", "hardware"},
     "ray_runtime": {"config", "data", "errors"},
     "use": {"checkpoint", "model", "data", "io", "config", "errors", "ray_runtime"},

@@ -1,7 +1,7 @@
 """The sources on Ray: a Ray Data pipeline per source reads, tokenizes and packs groups of
 shards in tasks across the cluster, in order, so each sequence is tokenized once whatever
 the number of workers, and the rows are the ones the in-process path computes.
-serve.py mixes them into the global order and serves it to the ranks.
+server.py mixes them into the global order and serves it to the ranks.
 """
 
 from __future__ import annotations

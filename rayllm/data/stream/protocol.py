@@ -1,4 +1,4 @@
-"""What the stream server (serve.py), the nodes' relays (relay.py) and the ranks agree on."""
+"""What the stream server (server.py), the nodes' relays (relay.py) and the ranks agree on."""
 
 from __future__ import annotations
 

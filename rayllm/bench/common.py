@@ -1,0 +1,102 @@
+"""What the benchmarks share: a rank's device and process group for a bench, a Session that
+holds only what the Trainer's step needs, synthetic batches shaped like the data stream's, and
+timed steps of the product's own ``Trainer``."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rayllm.config import TrainConfig
+from rayllm.data.source import RECORD_DTYPE_FIELDS
+from rayllm.parallel.process_group import init_group, local_device
+
+
+def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:
+    """Rank ``rank``'s device in a one-machine bench (made current on a GPU)."""
+    local = rank % max(torch.cuda.device_count(), 1) if config.cluster.use_gpu else None
+    return local_device(config.cluster.use_gpu, local)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
+    """Collective: the bench's ranks meet on 127.0.0.1:port (after ``bench_device``)."""
+    init_group(device, rank=rank, world_size=world_size, port=port)
+
+
+def synthetic_rows(config: TrainConfig, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` rows shaped like the data stream's (tokens plus ids), random tokens."""
+    seq = config.data.seq_len + 1
+    rows = np.zeros(n, dtype=[("tokens", np.int32, (seq,)), *RECORD_DTYPE_FIELDS])
+    rows["tokens"] = np.random.default_rng(seed).integers(0, config.model.vocab_size, size=(n, seq))
+    rows["index"] = np.arange(n)
+    return rows
+
+
+class StepSession:
+    """The Session for a Trainer that only steps (no data stream, checkpoints or metrics)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.local_world_size = world_size
+        self.node, self.attempt = "bench", 1
+        self.phases: dict[str, float] = {}
+        self.stream_kept = None
+        self.train_spec = types.SimpleNamespace(sources=[None])  # one source: all the ledger counts
+        self.val_spec = None
+        self.prunes_checkpoints, self.memory_root = False, None
+
+
+def bench_trainer(config: TrainConfig, rank: int, world_size: int, device: torch.device):
+    from rayllm.loop.trainer import Trainer
+
+    return Trainer(config, StepSession(rank, world_size, device))
+
+
+def timed_steps(trainer, rows: np.ndarray, steps: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Collective: ``steps`` of the Trainer's step on the same rows, each timed alone; (losses, seconds)."""
+    losses, times = [], []
+    for _ in range(steps):
+        dist.barrier()
+        sync(device)
+        start = time.perf_counter()
+        losses.append(trainer.train_step(rows)[0])
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return losses, times
+
+
+def flash_attention_fits(config: TrainConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether SDPA's flash kernel takes this model's attention (head size, GQA, dtype, device)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m = config.model
+    head_dim = m.dim // m.n_heads
+    q = torch.randn(1, m.n_heads, 128, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(1, m.n_kv_heads, 128, head_dim, device=device, dtype=dtype)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=m.n_kv_heads != m.n_heads)
+        return True
+    except RuntimeError:
+        return False
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
