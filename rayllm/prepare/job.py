@@ -185,11 +185,11 @@ def _number_parts(fs, folder: str) -> list[str]:
 
 
 def _connect(config: PrepareConfig) -> None:
-    """The training driver's connection rule: RAY_ADDRESS / cluster.address, else a local Ray on 127.0.0.1."""
-    from rayllm.config import ClusterSettings, TrainConfig
-    from rayllm.ray_runtime import connect_ray
+    """The training driver's connection rule: RAY_ADDRESS / cluster.address, else a local Ray on 127.0.0.1
+    (with the machine's cores, and at least 2 logical CPUs)."""
+    from rayllm.ray_cluster import connect_ray
 
-    connect_ray(TrainConfig(cluster=ClusterSettings(address=config.cluster.address, num_workers=1)))
+    connect_ray(config.cluster.address, 2)
 
 
 @contextlib.contextmanager
