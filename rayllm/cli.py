@@ -11,7 +11,8 @@ from rayllm.bench.speed_args import add_arguments as add_speed_arguments
 from rayllm.errors import RayllmError
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument table of every command."""
     parser = argparse.ArgumentParser(prog="rayllm", description="Elastic, fault-tolerant LLM training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model as a config says")
@@ -117,113 +118,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "prepare":
-        return _prepare(args)
-    if args.command in ("generate", "eval", "export"):
-        return _use_model(args)
-    if args.command == "bench" and args.bench_command == "serve":
-        from rayllm.bench import serve as bench_serve
-
-        ranks = tuple(int(r) for r in args.ranks.split(","))
-        sources = tuple(args.sources.split(","))
-        bench_serve.run(ranks, args.seq_len, args.steps, args.consumers, cpus=args.cpus, sources=sources)
-        return 0
-    if args.command == "bench" and args.bench_command == "gpu":
-        from rayllm.bench import gpu as bench_gpu
-
-        return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
+    args = build_parser().parse_args(argv)
+    command = f"bench {args.bench_command}" if args.command == "bench" else args.command
+    if command in WITHOUT_CONFIG:
+        return WITHOUT_CONFIG[command](args)
     from rayllm.config import TrainConfig
     from rayllm.config.resolve import resolve
 
     try:
-        # Resolved here, on the driver, so every command (and `rayllm config`'s printout) sees model.init_from's shape.
-        config = resolve(TrainConfig.from_yaml(args.config, overrides=args.overrides))
-        if args.command == "config":
-            print(config.to_yaml(), end="")
-            return 0
-        if args.command == "plan":
-            from rayllm.parallel import planner
-
-            print(
-                planner.report(
-                    config,
-                    gpu=args.gpu,
-                    nodes=args.nodes,
-                    gpus_per_node=args.gpus_per_node,
-                    micro_batch=args.micro_batch,
-                    layout=args.layout,
-                )
-            )
-            return 0
-        if args.command == "bench" and args.bench_command == "checkpoint":
-            from rayllm.bench import checkpoint as bench_checkpoint
-
-            result = bench_checkpoint.run(
-                args.config, args.overrides, args.workers, args.steps, args.every, args.repeats
-            )
-            print(bench_checkpoint.format_result(result))
-            return 0
-        if args.command == "bench" and args.bench_command == "recovery":
-            from rayllm.bench import recovery as bench_recovery
-
-            if not any(o.startswith("run.dir=") for o in args.overrides):
-                import tempfile
-
-                config.run.dir = tempfile.mkdtemp(prefix="rayllm-bench-recovery-")  # never resume a real run
-            if args.memory_every:
-                runs = bench_recovery.compare(config, args.kill_after, args.memory_every)
-                print(bench_recovery.format_comparison(runs))
-            else:
-                print(bench_recovery.format_result(bench_recovery.run(config, args.kill_after)))
-            return 0
-        if args.command == "bench" and args.bench_command == "speed":
-            from rayllm.bench import speed as bench_speed
-
-            bench_speed.report(config, args)
-            return 0
-        if args.command == "bench" and args.bench_command == "memory":
-            from rayllm.bench import memory as bench_memory
-
-            result = bench_memory.run(config, args.cpus, args.gb, args.object_store_mb, args.dir)
-            print(bench_memory.format_result(result))
-            return 0
-        if args.command == "bench" and args.bench_command == "tokenize":
-            from rayllm.bench import tokenize as bench_tokenize
-
-            demands = tuple(float(d) for d in args.demands.split(","))
-            result = bench_tokenize.run(config, args.cpus, demands, args.seconds, args.tokenize_tasks)
-            print(bench_tokenize.format_result(result))
-            return 0
-        if args.command == "bench":
-            from rayllm.bench import data as bench_data
-
-            print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs, args.repeats)))
-            return 0
-        if args.command == "tokenizer":
-            from rayllm.data.discover import train_tokenizer
-
-            info = train_tokenizer(config, args.output, args.vocab_size, args.special_tokens)
-            print(
-                f"[rayllm] tokenizer with {info['vocab_size']} tokens trained on {info['documents']} documents "
-                f"from {info['shards']} shard(s), saved to {info['output']}"
-            )
-            return 0
-        from rayllm.runtime.launch import format_summary, train
-
-        result = train(config, quiet=args.quiet)
-        if args.quiet:
-            print(format_summary(result))
-        if result.stopped_by:
-            import signal
-
-            print(
-                f"rayllm: stopped by {result.stopped_by} at step {result.step} with a checkpoint; "
-                f"run the same command again to resume",
-                file=sys.stderr,
-            )
-            return 128 + int(getattr(signal, result.stopped_by))  # as if killed by it, for schedulers
-        return 0
+        config = TrainConfig.from_yaml(args.config, overrides=args.overrides)
+        if command not in RESOLVED_BY_TRAIN:
+            # Here, on the driver, so every other command (and `rayllm config`'s printout) sees
+            # model.init_from's shape; rayllm.train resolves its config itself, once.
+            resolve(config)
+        return WITH_CONFIG[command](config, args)
     except RayllmError as e:
         print(f"rayllm: error: {e}", file=sys.stderr)
         return 2
@@ -233,6 +141,131 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+# --- commands on a training config: (config, args) -> exit code -----------------------------
+
+
+def _train(config, args: argparse.Namespace) -> int:
+    from rayllm.runtime.launch import format_summary, train
+
+    result = train(config, quiet=args.quiet)
+    if args.quiet:
+        print(format_summary(result))
+    if result.stopped_by:
+        import signal
+
+        print(
+            f"rayllm: stopped by {result.stopped_by} at step {result.step} with a checkpoint; "
+            f"run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 128 + int(getattr(signal, result.stopped_by))  # as if killed by it, for schedulers
+    return 0
+
+
+def _show_config(config, args: argparse.Namespace) -> int:
+    print(config.to_yaml(), end="")
+    return 0
+
+
+def _plan(config, args: argparse.Namespace) -> int:
+    from rayllm.parallel import planner
+
+    print(
+        planner.report(
+            config,
+            gpu=args.gpu,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            micro_batch=args.micro_batch,
+            layout=args.layout,
+        )
+    )
+    return 0
+
+
+def _train_tokenizer(config, args: argparse.Namespace) -> int:
+    from rayllm.data.discover import train_tokenizer
+
+    info = train_tokenizer(config, args.output, args.vocab_size, args.special_tokens)
+    print(
+        f"[rayllm] tokenizer with {info['vocab_size']} tokens trained on {info['documents']} documents "
+        f"from {info['shards']} shard(s), saved to {info['output']}"
+    )
+    return 0
+
+
+def _bench_checkpoint(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import checkpoint as bench_checkpoint
+
+    result = bench_checkpoint.run(args.config, args.overrides, args.workers, args.steps, args.every, args.repeats)
+    print(bench_checkpoint.format_result(result))
+    return 0
+
+
+def _bench_recovery(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import recovery as bench_recovery
+
+    if not any(o.startswith("run.dir=") for o in args.overrides):
+        import tempfile
+
+        config.run.dir = tempfile.mkdtemp(prefix="rayllm-bench-recovery-")  # never resume a real run
+    if args.memory_every:
+        runs = bench_recovery.compare(config, args.kill_after, args.memory_every)
+        print(bench_recovery.format_comparison(runs))
+    else:
+        print(bench_recovery.format_result(bench_recovery.run(config, args.kill_after)))
+    return 0
+
+
+def _bench_speed(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import speed as bench_speed
+
+    bench_speed.report(config, args)
+    return 0
+
+
+def _bench_memory(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import memory as bench_memory
+
+    result = bench_memory.run(config, args.cpus, args.gb, args.object_store_mb, args.dir)
+    print(bench_memory.format_result(result))
+    return 0
+
+
+def _bench_tokenize(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import tokenize as bench_tokenize
+
+    demands = tuple(float(d) for d in args.demands.split(","))
+    result = bench_tokenize.run(config, args.cpus, demands, args.seconds, args.tokenize_tasks)
+    print(bench_tokenize.format_result(result))
+    return 0
+
+
+def _bench_data(config, args: argparse.Namespace) -> int:
+    from rayllm.bench import data as bench_data
+
+    print(bench_data.format_result(bench_data.run(config, args.cpus, args.epochs, args.repeats)))
+    return 0
+
+
+# --- commands without one: args -> exit code -----------------------------------------------
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from rayllm.bench import serve as bench_serve
+
+    ranks = tuple(int(r) for r in args.ranks.split(","))
+    sources = tuple(args.sources.split(","))
+    bench_serve.run(ranks, args.seq_len, args.steps, args.consumers, cpus=args.cpus, sources=sources)
+    return 0
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    from rayllm.bench import gpu as bench_gpu
+
+    return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
 
 
 def _use_model(args: argparse.Namespace) -> int:
@@ -284,7 +317,7 @@ def _use_model(args: argparse.Namespace) -> int:
 
 def _prepare(args: argparse.Namespace) -> int:
     from rayllm.prepare import PrepareConfig, prepare
-    from rayllm.prepare.job import format_report
+    from rayllm.prepare.report import format_report
 
     try:
         report = prepare(PrepareConfig.from_yaml(args.config, overrides=args.overrides), quiet=args.quiet)
@@ -299,6 +332,30 @@ def _prepare(args: argparse.Namespace) -> int:
             "rayllm: interrupted; output.path may hold a partial result, which the next run replaces", file=sys.stderr
         )
         return 130
+
+
+# Each command ("bench <name>" for a benchmark) and its handler.
+WITHOUT_CONFIG = {
+    "prepare": _prepare,
+    "generate": _use_model,
+    "eval": _use_model,
+    "export": _use_model,
+    "bench serve": _bench_serve,
+    "bench gpu": _bench_gpu,
+}
+RESOLVED_BY_TRAIN = {"train", "bench recovery"}  # they call rayllm.train, which resolves the config
+WITH_CONFIG = {
+    "train": _train,
+    "config": _show_config,
+    "plan": _plan,
+    "tokenizer": _train_tokenizer,
+    "bench checkpoint": _bench_checkpoint,
+    "bench recovery": _bench_recovery,
+    "bench speed": _bench_speed,
+    "bench memory": _bench_memory,
+    "bench tokenize": _bench_tokenize,
+    "bench data": _bench_data,
+}
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_rayllm_train_stays_the_function_once_the_trainer_modules_are_loaded():
 
 
 def test_a_cluster_whose_workers_would_take_every_cpu_is_named_before_training_hangs():
-    from rayllm.ray_runtime import no_room_for_data
+    from rayllm.runtime.room import no_room_for_data
 
     two = TrainConfig.from_dict({}, overrides=["cluster.num_workers=2"])
     assert "ray start --num-cpus=3" in no_room_for_data(2, two)  # 2 workers, no CPU for data tasks

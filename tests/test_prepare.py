@@ -26,7 +26,7 @@ from rayllm.errors import ConfigError, DataError
 from rayllm.prepare import PrepareConfig, prepare
 from rayllm.prepare.config import FilterSettings, NormalizeSettings
 from rayllm.prepare.dedup import MinHasher, estimated_jaccard, non_lowest_of_clusters
-from rayllm.prepare.job import document_id, split_id
+from rayllm.prepare.label import document_id, split_id
 from rayllm.prepare.normalize import normalize_text
 from rayllm.prepare.quality import Document, first_failed_filter, measure
 

@@ -1,6 +1,6 @@
-"""Joining or starting Ray, and waiting for room with a deadline (rayllm/ray_runtime.py): a script
-that trains several times in one process, a cluster too small for the run, and the decisions
-behind both, tested without Ray where they can be."""
+"""Joining or starting Ray (rayllm/ray_cluster.py), and waiting for room with a deadline
+(rayllm/runtime/room.py): a script that trains several times in one process, a cluster too small
+for the run, and the decisions behind both, tested without Ray where they can be."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 from conftest import TEST_MODEL, cli_train_cmd, ray_head
 
 from rayllm import RayllmError, TrainConfig
-from rayllm import ray_runtime as rt
+from rayllm import ray_cluster as rc
+from rayllm.runtime import room as rt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,25 +58,25 @@ def test_an_autoscaler_is_told_apart_from_the_readonly_monitor_every_head_runs()
     plain = {"autoscaler_report": {"node_type_mapping": {"4696d7": "node_4696d7"}, "pending_launches": {}}}
     scaling = {"autoscaler_report": {"node_type_mapping": {"ffff00": "ray.head.default"}, "pending_launches": {}}}
     launching = {"autoscaler_report": {"node_type_mapping": {}, "pending_launches": {"trainer": 1}}}
-    assert not rt.configured_node_types(plain)
-    assert rt.configured_node_types(scaling)
-    assert rt.configured_node_types(launching)
-    assert not rt.configured_node_types(None)  # no monitor has written yet
+    assert not rc.configured_node_types(plain)
+    assert rc.configured_node_types(scaling)
+    assert rc.configured_node_types(launching)
+    assert not rc.configured_node_types(None)  # no monitor has written yet
 
 
 def test_only_the_ray_rayllm_started_or_joined_is_replaced(monkeypatch):
-    monkeypatch.setattr(rt, "_session", lambda: "session_now")
-    monkeypatch.setattr(rt, "_connected", {"session": "session_now", "address": None, "cpus": 2})
-    assert rt._replace_ours(None, 3)  # a local Ray too small for 2 workers: restarted bigger
-    assert not rt._replace_ours(None, 2)  # big enough: kept (3 runs in one process reuse it)
-    assert rt._replace_ours("127.0.0.1:6380", 2)  # a run that names a cluster goes there
-    monkeypatch.setattr(rt, "_connected", {"session": "session_now", "address": "127.0.0.1:6380", "cpus": None})
-    assert not rt._replace_ours("127.0.0.1:6380", 9)
-    assert rt._replace_ours(None, 2)
-    monkeypatch.setattr(rt, "_connected", {"session": "an_older_one", "address": None, "cpus": 2})
-    assert not rt._replace_ours(None, 9)  # the user shut ours down and started their own: theirs stays
-    monkeypatch.setattr(rt, "_connected", None)
-    assert not rt._replace_ours("127.0.0.1:6380", 9)  # the user's ray.init before any run
+    monkeypatch.setattr(rc, "_session", lambda: "session_now")
+    monkeypatch.setattr(rc, "_connected", {"session": "session_now", "address": None, "cpus": 2})
+    assert rc._replace_ours(None, 3)  # a local Ray too small for 2 workers: restarted bigger
+    assert not rc._replace_ours(None, 2)  # big enough: kept (3 runs in one process reuse it)
+    assert rc._replace_ours("127.0.0.1:6380", 2)  # a run that names a cluster goes there
+    monkeypatch.setattr(rc, "_connected", {"session": "session_now", "address": "127.0.0.1:6380", "cpus": None})
+    assert not rc._replace_ours("127.0.0.1:6380", 9)
+    assert rc._replace_ours(None, 2)
+    monkeypatch.setattr(rc, "_connected", {"session": "an_older_one", "address": None, "cpus": 2})
+    assert not rc._replace_ours(None, 9)  # the user shut ours down and started their own: theirs stays
+    monkeypatch.setattr(rc, "_connected", None)
+    assert not rc._replace_ours("127.0.0.1:6380", 9)  # the user's ray.init before any run
 
 
 def _fake_cluster(monkeypatch, nodes_over_time, *, autoscaler=False, local=False):
@@ -144,9 +145,10 @@ THREE_RUNS = """
 import json, os, sys
 import ray
 import rayllm
-from rayllm import RayllmError, TrainConfig, ray_runtime
+from rayllm import RayllmError, TrainConfig, ray_cluster
+from rayllm.runtime import room
 
-ray_runtime.machine_cpus = lambda: 2  # CI's machine: the first local Ray gets just 2 CPUs
+ray_cluster.machine_cpus = lambda: 2  # CI's machine: the first local Ray gets just 2 CPUs
 args = json.loads(sys.argv[1])
 for i, workers in enumerate([1, 2, 1]):
     overrides = [*args["overrides"], f"cluster.num_workers={workers}", f"run.dir={args['root']}/run{i}"]
@@ -159,9 +161,9 @@ ray.shutdown()
 ray.init(num_cpus=1, _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="WARNING")
 session = ray.get_runtime_context().get_session_name()
 config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*args["overrides"], "cluster.resource_wait_s=1"])
-ray_runtime.connect_ray(config)
+ray_cluster.connect_ray(config.cluster.address, room.run_cpus(config))
 try:
-    ray_runtime.wait_for_room(config, print)
+    room.wait_for_room(config, print)
     error = None
 except RayllmError as e:
     error = str(e)

@@ -69,8 +69,9 @@ def _latest_step(run_dir: str) -> int:
 
 
 def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> Result:
-    from rayllm.ray_runtime import connect_ray
+    from rayllm.ray_cluster import connect_ray
     from rayllm.runtime.launch import train
+    from rayllm.runtime.room import run_cpus
 
     if config.cluster.max_failures < 1:
         raise RayllmError("bench recovery needs cluster.max_failures >= 1 (the run must survive the kill)")
@@ -87,7 +88,7 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
     run_dir = config.run.dir
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise RayllmError(f"run.dir {run_dir} already holds a run; give the benchmark a fresh run.dir")
-    connect_ray(config)
+    connect_ray(config.cluster.address, run_cpus(config))
     import ray
     from ray.util.state import list_actors
 

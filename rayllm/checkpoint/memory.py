@@ -21,6 +21,8 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from rayllm.ray_cluster import pinned_actor
+
 PROTOCOL = "rayllm-mem"
 CALL_TIMEOUT_S = 120.0  # any call to a keeper or the registry; a node lost mid-call ends it sooner
 
@@ -65,15 +67,8 @@ class KeeperRegistry:
 
     def keeper(self, node: str):
         """This node's keeper, created on first ask, pinned to the node."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         if node not in self._keepers:
-            self._keepers[node] = (
-                ray.remote(Keeper)
-                .options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                .remote()
-            )
+            self._keepers[node] = pinned_actor(Keeper, node).remote()
         return self._keepers[node]
 
     def keepers(self) -> dict[str, Any]:
@@ -86,11 +81,7 @@ class KeeperRegistry:
 
 def start_registry(name: str):
     """The driver's registry of keepers for one run, beside the driver; dies with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(KeeperRegistry).options(name=name, num_cpus=0, scheduling_strategy=here).remote()
+    return pinned_actor(KeeperRegistry, name=name).remote()
 
 
 def memory_uri(registry_name: str, run: str) -> str:

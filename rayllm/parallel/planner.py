@@ -194,54 +194,25 @@ def plan_memory(
     micro = micro_batch or t.micro_batch_size
     ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
     e = 2 if t.precision == "bf16" or (t.precision == "auto" and spec is not None) else 4
-    tp, shard, dp = layout.tp, layout.dp_shard, layout.dp
     tokens = micro * config.data.seq_len
-    fsdp = dp > 1 or e != 4 or t.cpu_offload  # as rayllm.parallel.apply.needs_fsdp
-    on_gpu_state = 0 if t.cpu_offload else 1  # offload keeps the sharded state in CPU memory
-
-    # Parameters: the fp32 master copy, sharded over dp_shard x tp (HSDP replicates it across
-    # dp_replicate). FSDP all-gathers each block in compute dtype for its forward and backward, the
-    # next one prefetched: 2 blocks in flight, and the root (embedding, head) stays gathered for the
-    # whole step. On one rank nothing reshards: the whole model stays gathered.
-    param_shard = 4 * math.ceil(s.total / (shard * tp)) * on_gpu_state
-    gathered_params = (min(2, s.layers) * s.block + s.root if dp > 1 else s.total) / tp
-    gathered = int(gathered_params * e) if fsdp else 0
-    # Gradients: fp32, sharded like the parameters (every micro-batch is reduce-scattered, so they
-    # stay sharded across accumulation), plus one block's unsharded gradient in compute dtype and
-    # its fp32 reduce-scatter input, and the root's, reduced only when backward ends.
-    grad_shard = param_shard
-    grad_unsharded = int((s.block * (e + 4) + s.root * e) / tp) if fsdp else 0
-    # AdamW (fused): exp_avg and exp_avg_sq in fp32, sharded like the parameters.
-    optimizer = 2 * param_shard
-    # Activations of one micro-batch; with checkpointing each block keeps only its input (on the
-    # sequence shard under TP) and one block at a time is recomputed in full during backward.
-    per_block = block_bytes_per_token(s, e, tp) * tokens
-    act_full = int(s.layers * per_block)
-    act_ac = int(s.layers * e * s.d * tokens / tp + per_block)
-    # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
-    # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
-    logits_loss = int(tokens * (s.vocab / tp * 12 + _norm_per_token(s, e, tp)))
+    parts = _state_bytes(s, layout, e, t.cpu_offload)
+    act_full, act_ac, logits_loss = _activation_bytes(s, e, layout.tp, tokens)
     activations = act_ac if ac else act_full
     # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs.
-    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, tp) if n > 1)
-    comm = groups * NCCL_BYTES_PER_GROUP + int(2 * s.block / (shard * tp) * (2 * e + 4)) if spec and world > 1 else 0
+    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp) if n > 1)
+    shards = layout.dp_shard * layout.tp
+    comm = groups * NCCL_BYTES_PER_GROUP + int(2 * s.block / shards * (2 * e + 4)) if spec and world > 1 else 0
     breakdown = {
-        "parameters": param_shard + gathered,
-        "gradients": grad_shard + grad_unsharded,
-        "optimizer": optimizer,
+        "parameters": parts["param_shard"] + parts["gathered"],
+        "gradients": parts["grad_shard"] + parts["grad_unsharded"],
+        "optimizer": 2 * parts["param_shard"],  # AdamW (fused): exp_avg and exp_avg_sq in fp32, sharded alike
         "activations": activations,
         "logits_loss": logits_loss,
         "comm_buffers": comm,
     }
-    if spec is not None:
-        breakdown["framework_reserve"] = GPU_FRAMEWORK_BYTES
-        breakdown["allocator_slack"] = int(GPU_ALLOCATOR_SLACK * sum(breakdown.values()))
-    else:
-        framework = measured_framework_bytes() if framework_bytes is None else framework_bytes
-        breakdown["framework_reserve"] = framework
-        breakdown["allocator_slack"] = int(CPU_HEAP_SLACK * (activations + logits_loss))
+    breakdown.update(_reserve(breakdown, spec, activations + logits_loss, framework_bytes))
     total = sum(breakdown.values())
-    accum = max(1, math.ceil(t.global_batch_size / (micro * dp)))
+    accum = max(1, math.ceil(t.global_batch_size / (micro * layout.dp)))
     comm_bytes = _communication(s, layout, accum, tokens, e, ac)
     seconds = _seconds(s, layout, spec, comm_bytes, config, ac, gpus_per_node) if spec else {}
     return MemoryPlan(
@@ -255,12 +226,57 @@ def plan_memory(
         comm_bytes_per_step=comm_bytes,
         activation_checkpointing=ac,
         gpu=spec,
-        parts=dict(param_shard=param_shard, gathered=gathered, grad_shard=grad_shard, grad_unsharded=grad_unsharded),
+        parts=parts,
         accum=accum,
         params=s.total,
         dtype="bf16" if e == 2 else "fp32",
         seconds=seconds,
     )
+
+
+def _state_bytes(s: Shape, layout: Layout, e: int, cpu_offload: bool) -> dict[str, int]:
+    """Parameters' and gradients' bytes per rank: param_shard, gathered, grad_shard, grad_unsharded."""
+    tp, shard, dp = layout.tp, layout.dp_shard, layout.dp
+    fsdp = dp > 1 or e != 4 or cpu_offload  # as rayllm.parallel.apply.needs_fsdp
+    on_gpu_state = 0 if cpu_offload else 1  # offload keeps the sharded state in CPU memory
+    # Parameters: the fp32 master copy, sharded over dp_shard x tp (HSDP replicates it across
+    # dp_replicate). FSDP all-gathers each block in compute dtype for its forward and backward, the
+    # next one prefetched: 2 blocks in flight, and the root (embedding, head) stays gathered for the
+    # whole step. On one rank nothing reshards: the whole model stays gathered.
+    param_shard = 4 * math.ceil(s.total / (shard * tp)) * on_gpu_state
+    gathered_params = (min(2, s.layers) * s.block + s.root if dp > 1 else s.total) / tp
+    gathered = int(gathered_params * e) if fsdp else 0
+    # Gradients: fp32, sharded like the parameters (every micro-batch is reduce-scattered, so they
+    # stay sharded across accumulation), plus one block's unsharded gradient in compute dtype and
+    # its fp32 reduce-scatter input, and the root's, reduced only when backward ends.
+    grad_shard = param_shard
+    grad_unsharded = int((s.block * (e + 4) + s.root * e) / tp) if fsdp else 0
+    return dict(param_shard=param_shard, gathered=gathered, grad_shard=grad_shard, grad_unsharded=grad_unsharded)
+
+
+def _activation_bytes(s: Shape, e: int, tp: int, tokens: int) -> tuple[int, int, int]:
+    """(activations without checkpointing, with it, logits and loss) of one micro-batch per rank."""
+    # Activations of one micro-batch; with checkpointing each block keeps only its input (on the
+    # sequence shard under TP) and one block at a time is recomputed in full during backward.
+    per_block = block_bytes_per_token(s, e, tp) * tokens
+    act_full = int(s.layers * per_block)
+    act_ac = int(s.layers * e * s.d * tokens / tp + per_block)
+    # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
+    # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
+    logits_loss = int(tokens * (s.vocab / tp * 12 + _norm_per_token(s, e, tp)))
+    return act_full, act_ac, logits_loss
+
+
+def _reserve(breakdown: dict[str, int], spec: GpuSpec | None, transient: int, framework_bytes: int | None):
+    """The framework's fixed bytes and the allocator's slack over what the step allocates
+    (``transient``: activations and logits, what the CPU heap's slack grows with)."""
+    if spec is not None:
+        return {
+            "framework_reserve": GPU_FRAMEWORK_BYTES,
+            "allocator_slack": int(GPU_ALLOCATOR_SLACK * (sum(breakdown.values()) + GPU_FRAMEWORK_BYTES)),
+        }
+    framework = measured_framework_bytes() if framework_bytes is None else framework_bytes
+    return {"framework_reserve": framework, "allocator_slack": int(CPU_HEAP_SLACK * transient)}
 
 
 def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: bool) -> dict[str, int]:

@@ -29,10 +29,11 @@ from rayllm.io.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.loop import fault_injection as faults
 from rayllm.loop.trainer import import_init_weights
 from rayllm.parallel.layout import usable_world_sizes
-from rayllm.ray_runtime import connect_ray, wait_for_room, worker_bundle
+from rayllm.ray_cluster import connect_ray, node_affinity, pinned_actor
 from rayllm.runtime.control import RunControl
 from rayllm.runtime.failure_policy import failure_message
 from rayllm.runtime.monitor import RunMonitor
+from rayllm.runtime.room import run_cpus, wait_for_room, worker_bundle
 from rayllm.runtime.signals import StopSignals
 
 
@@ -131,8 +132,8 @@ def _signal_hook_env() -> dict[str, str]:
     return {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: WORKER_SETUP_HOOK}
 
 
-def _start_stream(config: TrainConfig, plans, here):
-    """The run's data stream server (serve.py): the driver owns it, so a restart
+def _start_stream(config: TrainConfig, plans):
+    """The run's data stream server (serve.py), on the driver's node: the driver owns it, so a restart
     after a lost worker finds the stream running and resumes from it when the checkpoint's step is
     among those it kept: the steps back to the latest checkpoint and the ranks' prefetch."""
     t = config.train
@@ -142,7 +143,6 @@ def _start_stream(config: TrainConfig, plans, here):
         global_batch=t.global_batch_size,
         tokenize_tasks=config.data.tokenize_tasks,
         keep_behind=keep_behind,
-        here=here,
     )
 
 
@@ -160,51 +160,83 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     """Train as ``config`` says and return the final metrics and the latest checkpoint."""
     started = time.time()
     log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
-    resolve(config)  # model.init_from's shape and tokenizer, read once, here on the driver
+    plans = _prepare_run(config, log)
+    connect_ray(config.cluster.address, run_cpus(config))
+    wait_for_room(config, log)
+    monitor = RunMonitor(config, quiet=quiet)
+    driver = _start_driver_actors(config, plans)
+    signals = StopSignals(on_first=lambda name: _stop_requested(name, driver.control))
+    result = _fit(_trainer(config, driver), config, driver, monitor, signals)
+    summary = _summary(config, result, monitor, signals, started)
+    if not quiet:
+        print(format_summary(summary), flush=True)
+    return summary
+
+
+def _prepare_run(config: TrainConfig, log):
+    """Before Ray: the config resolved (model.init_from's shape and tokenizer, read once, here on the
+    driver), the data plans, model.init_from's weights, and the resolved config in run.dir."""
+    resolve(config)
     plans = prepare_data(config, log=log)
     import_init_weights(config, log)
     resolved = yaml.safe_dump(config.redacted(), sort_keys=False)
     write_text(join(config.run.dir, "config.yaml"), resolved, config.storage)
-    connect_ray(config)
-    wait_for_room(config, log)
+    return plans
 
-    import ray.train
+
+@dataclass
+class _DriverActors:
+    """What the driver starts and owns for one run, beside it on its node, outliving every attempt."""
+
+    records: Any  # the progress queue the monitor reads
+    control: Any  # RunControl, which owns the nodes' relays
+    keepers: str | None  # the in-memory checkpoints' registry name
+    registry: Any  # ... and that registry, which owns the keepers
+    stream: Any  # the data stream server
+    sealed: StorageSettings  # the storage settings, credentials only as a Ray object
+    plans: Any  # the data plans, with the sealed storage
+
+
+def _start_driver_actors(config: TrainConfig, plans) -> _DriverActors:
+    """The driver's own actors live on the driver's node: a lost worker node must not take them along
+    (the driver's node lives as long as the driver)."""
     from ray.util.queue import Queue
+
+    records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": node_affinity()})
+    control = pinned_actor(RunControl).remote()
+    # In-memory checkpoints' keepers, owned through this registry by the driver: they outlive attempts.
+    keepers = f"rayllm-keepers-{uuid.uuid4().hex[:12]}" if config.train.memory_checkpoint_every else None
+    registry = start_registry(keepers) if keepers else None
+    # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
+    sealed = config.storage.sealed()
+    plans = plans.with_storage(sealed)
+    stream = _start_stream(config, plans)
+    return _DriverActors(records, control, keepers, registry, stream, sealed, plans)
+
+
+def _trainer(config: TrainConfig, driver: _DriverActors):
+    """Ray Train's trainer for the run: the workers' loop, its inputs, scaling and storage."""
+    import ray
+    import ray.train
 
     from rayllm.runtime.ray_trainer import RayllmTorchTrainer
     from rayllm.runtime.ray_worker import train_loop_per_worker
 
-    monitor = RunMonitor(config, quiet=quiet)
-    # The driver's own actors live on the driver's node: a lost worker node must not take them along.
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    # Hard affinity: with soft=True Ray placed them on other nodes (seen on a 3-node cluster), and a
-    # node lost then took the progress queue along. The driver's node lives as long as the driver.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-    control = ray.remote(RunControl).options(num_cpus=0, scheduling_strategy=here).remote()
-    # In-memory checkpoints' keepers, owned through this registry by the driver: they outlive attempts.
-    keepers = f"rayllm-keepers-{uuid.uuid4().hex[:12]}" if config.train.memory_checkpoint_every else None
-    registry = start_registry(keepers) if keepers else None
-    signals = StopSignals(on_first=lambda name: _stop_requested(name, control))
-    # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
-    sealed = config.storage.sealed()
-    plans = plans.with_storage(sealed)
-    stream = _start_stream(config, plans, here)
-    storage_path, name, fs = _storage(config, sealed)
+    storage_path, name, fs = _storage(config, driver.sealed)
     lo, hi = config.worker_range
     t = config.train
-    trainer = RayllmTorchTrainer(
+    plans = driver.plans
+    return RayllmTorchTrainer(
         train_loop_per_worker,
         # The config travels redacted; its credentials go as a Ray object, never shown as text.
         train_loop_config={
             "config": config.redacted(),
-            "storage": sealed,
-            "queue": records,
+            "storage": driver.sealed,
+            "queue": driver.records,
             "plans": plans,
-            "control": control,
-            "keepers": keepers,
-            "stream": stream,
+            "control": driver.control,
+            "keepers": driver.keepers,
+            "stream": driver.stream,
             # Validation is tokenized once per run, here, not once per rank.
             "validation": ray.put(first_batches(plans.val, t.val_batches, t.global_batch_size) if plans.val else []),
         },
@@ -226,15 +258,18 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         ),
         usable_world_sizes=usable_world_sizes(config.parallel, lo, hi, t.global_batch_size, t.micro_batch_size),
     )
-    stop = threading.Event()
 
-    def handle(record: dict[str, Any]) -> None:
-        monitor.handle(record)
+
+def _fit(trainer, config: TrainConfig, driver: _DriverActors, monitor: RunMonitor, signals: StopSignals):
+    """Run the trainer while a thread feeds the progress records to the monitor; then drain the
+    records, close the monitor and end the driver's actors, however the run ended."""
+    records = driver.records
+    stop = threading.Event()
 
     def follow() -> None:
         while not stop.is_set():
             try:
-                handle(records.get(timeout=0.5))
+                monitor.handle(records.get(timeout=0.5))
             except queue_lib.Empty:
                 continue
             except Exception:
@@ -247,7 +282,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     signals.install()
     try:
         with _controller_env(config):
-            result = trainer.fit()
+            return trainer.fit()
     except Exception as e:
         raise RayllmError(f"training failed: {failure_message(e)}") from e
     finally:
@@ -256,23 +291,33 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         follower.join(timeout=5)
         while True:
             try:
-                handle(records.get_nowait())
+                monitor.handle(records.get_nowait())
             except Exception:
                 break
         monitor.close()
-        try:
-            records.shutdown()
-            ray.kill(control)  # and the relays it owns
-            ray.kill(stream)
-            if registry is not None:
-                ray.kill(registry)  # and the keepers it owns, with every in-memory checkpoint
-        except Exception:
-            pass
+        _end_driver_actors(driver)
+
+
+def _end_driver_actors(driver: _DriverActors) -> None:
+    import ray
+
+    try:
+        driver.records.shutdown()
+        ray.kill(driver.control)  # and the relays it owns
+        ray.kill(driver.stream)
+        if driver.registry is not None:
+            ray.kill(driver.registry)  # and the keepers it owns, with every in-memory checkpoint
+    except Exception:
+        pass
+
+
+def _summary(config: TrainConfig, result, monitor: RunMonitor, signals: StopSignals, started: float) -> TrainResult:
+    """What Ray Train's result and the monitor say of the finished run."""
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     if checkpoint and is_remote(config.run.dir):
         checkpoint = f"{config.run.dir.split('://', 1)[0]}://{checkpoint}"
-    summary = TrainResult(
+    return TrainResult(
         loss=metrics.get("loss"),
         val_loss=metrics.get("val_loss", monitor.val_loss),
         step=int(metrics.get("step", 0)),
@@ -291,9 +336,6 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         kept_checkpoints=list(monitor.kept),
         history=monitor.history,
     )
-    if not quiet:
-        print(format_summary(summary), flush=True)
-    return summary
 
 
 def format_summary(r: TrainResult) -> str:

@@ -115,16 +115,12 @@ def evaluate(
     import ray
 
     from rayllm.checkpoint import find_checkpoint
-    from rayllm.config import TrainConfig
-    from rayllm.ray_runtime import connect_ray
+    from rayllm.ray_cluster import connect_ray
 
     storage = storage or StorageSettings()
     shards = expand_shards(data, storage, "evaluation data")
     checkpoint = find_checkpoint(checkpoint, storage)  # fail here, not inside every actor
-    config = TrainConfig()
-    config.cluster.num_workers = workers
-    config.cluster.cpus_per_worker = cpus_per_worker
-    connect_ray(config)
+    connect_ray(None, workers * cpus_per_worker + 1)  # the workers, and a CPU for Ray Data's tasks
     pool = min(workers, len(shards))
     scored = (
         ray.data.from_items([{"shard": s} for s in shards], override_num_blocks=len(shards))

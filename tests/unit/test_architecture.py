@@ -17,16 +17,16 @@ BELOW = {
     "io": {"errors"},
     "hardware": set(),
     "autoscaler": set(),
+    "ray_cluster": set(),  # join or start Ray, node-pinned actors: every Ray-side room's bottom
     "model": {"errors"},
     "parallel": {"model", "errors"},
     "config": {"io", "errors", "model", "parallel", "checkpoint"},  # checks: layout arithmetic; resolve: HF config.json
-    "data": {"io", "config", "errors"},
-    "checkpoint": {"io", "config", "model", "data", "errors"},
+    "data": {"io", "config", "errors", "ray_cluster"},
+    "checkpoint": {"io", "config", "model", "data", "errors", "ray_cluster"},
     "loop": {"checkpoint", "data", "parallel", "model", "config", "io", "errors", "hardware"},
-    "ray_runtime": {"config", "data", "errors"},
-    "use": {"checkpoint", "model", "data", "io", "config", "errors", "ray_runtime"},
-    "prepare": {"data", "io", "config", "errors", "ray_runtime"},
-    "runtime": {"loop", "checkpoint", "data", "parallel", "model", "config", "io", "errors", "ray_runtime"},
+    "use": {"checkpoint", "model", "data", "io", "config", "errors", "ray_cluster"},
+    "prepare": {"data", "io", "config", "errors", "ray_cluster"},
+    "runtime": {"loop", "checkpoint", "data", "parallel", "model", "config", "io", "errors", "ray_cluster"},
 }
 ENTRY_POINTS = {"cli", "bench", "__init__"}  # may import any room
 NO_RAY = {"model", "parallel", "loop", "config"}  # (io seals credentials in Ray's object store)

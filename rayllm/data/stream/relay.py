@@ -23,6 +23,7 @@ from typing import Any
 
 from rayllm.data.order import DataState
 from rayllm.data.stream.protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
+from rayllm.ray_cluster import pinned_actor
 
 SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's call to it is given up
 
@@ -145,21 +146,14 @@ def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
 def node_relay(server, server_name: str, node: str):
     """``node``'s relay, on that node, for the caller to own and keep. Ray restarts it, empty,
     if its process dies; it dies with its node or with its owner."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return (
-        ray.remote(NodeRelay)
-        .options(
-            name=f"{server_name}-relay-{node}",  # the whole id: simulated nodes share long prefixes
-            get_if_exists=True,
-            num_cpus=0,
-            max_restarts=-1,
-            max_concurrency=1_000,  # waiting ranks are coroutines, not threads
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        )
-        .remote(server, f"{server_name}/{node}")
-    )
+    return pinned_actor(
+        NodeRelay,
+        node,
+        name=f"{server_name}-relay-{node}",  # the whole id: simulated nodes share long prefixes
+        get_if_exists=True,
+        max_restarts=-1,
+        max_concurrency=1_000,  # waiting ranks are coroutines, not threads
+    ).remote(server, f"{server_name}/{node}")
 
 
 def served_batches(

@@ -35,6 +35,7 @@ from typing import Any
 from rayllm.data.order import DataState, StreamSpec, open_stream
 from rayllm.data.stream.pipeline import configure_ray_data, ray_chunks
 from rayllm.data.stream.protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
+from rayllm.ray_cluster import pinned_actor
 
 
 class _Production:
@@ -208,17 +209,14 @@ class StreamServer:
 MAX_DEPTH, MIN_DEPTH, AHEAD_BYTES, KEEP_BYTES = 32, 4, 512 << 20, 256 << 20
 
 
-def start_server(plan: StreamSpec, *, global_batch: int, tokenize_tasks: int, keep_behind: int, here):
-    """The run's stream actor, on the driver's node (``here``: its scheduling strategy), owned by
-    the driver: it outlives every attempt, and Ray restarts it (empty) if its process dies."""
-    import ray
-
-    actor = ray.remote(StreamServer).options(
-        num_cpus=0,
+def start_server(plan: StreamSpec, *, global_batch: int, tokenize_tasks: int, keep_behind: int):
+    """The run's stream actor, on the caller's node (the driver's), owned by the driver: it
+    outlives every attempt, and Ray restarts it (empty) if its process dies."""
+    actor = pinned_actor(
+        StreamServer,
         max_restarts=-1,  # the next attempt's begin() restarts its sources
         max_concurrency=10_000,  # waiting relays are coroutines, not threads
         # The producer thread's ray.get (Ray Data) is not on the event loop: Ray's warning does not apply.
         runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}},
-        scheduling_strategy=here,
     )
     return actor.remote(plan, global_batch, tokenize_tasks, keep_behind)
