@@ -1,7 +1,7 @@
 """The run's control actor: lives on the driver's node for the whole run, across attempts.
 
 It holds what must outlive a worker group: the stop flag the driver sets on SIGTERM/SIGINT
-(rank 0 reads it between steps), the attempt count, the nodes' data relays (data/relay.py;
+(rank 0 reads it between steps), the attempt count, the nodes' data relays (data/stream/relay.py;
 owned here, not by the stream server, so a dead server does not take them along and a lost
 relay is told apart from a lost server), and the failures seen so far, so that an
 error that repeats at the same step on a fresh attempt is recognised as deterministic and ends

@@ -133,7 +133,7 @@ def _signal_hook_env() -> dict[str, str]:
 
 
 def _start_stream(config: TrainConfig, plans):
-    """The run's data stream server (serve.py), on the driver's node: the driver owns it, so a restart
+    """The run's data stream server (data/stream/server.py), on the driver's node: the driver owns it, so a restart
     after a lost worker finds the stream running and resumes from it when the checkpoint's step is
     among those it kept: the steps back to the latest checkpoint and the ranks' prefetch."""
     t = config.train
