@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from rayllm import events
 from rayllm.checkpoint.memory import start_registry
 from rayllm.config import TrainConfig
 from rayllm.data.discover import prepare_data
@@ -227,7 +228,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     stop = threading.Event()
 
     def handle(record: dict[str, Any]) -> None:
-        monitor.handle(record)
+        monitor.handle(events.from_record(record))  # records cross the queue (RaySession.emit)
 
     def follow() -> None:
         while not stop.is_set():
