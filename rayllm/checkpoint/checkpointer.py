@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayllm import checkpoint
+from rayllm import checkpoint, events
 from rayllm.checkpoint import memory
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig
@@ -218,7 +218,7 @@ class Checkpointer:
             self.memory.prune(1, written_before=step)
             held = self.memory.fs.usage(self.memory.root)
             stall = time.perf_counter() - started
-            self.session.emit({"kind": "memory_checkpoint", "step": step, "stall_s": stall, "bytes": held})
+            self.session.emit(events.MemoryCheckpoint(step=step, stall_s=stall, nbytes=held))
 
     def wait_copied(self) -> None:
         """Before the weights change: wait until a pending async save has copied them (its stall)."""
@@ -258,18 +258,18 @@ class Checkpointer:
         self.committed_step = ckpt.step
         if rank == 0:
             self._tidier.submit(self._tidy, ckpt.step)
-            self.session.emit({"kind": "checkpoint", "step": ckpt.step, "stall_s": ckpt.stall_s, "final": ckpt.final})
+            self.session.emit(events.Checkpoint(step=ckpt.step, stall_s=ckpt.stall_s, final=ckpt.final))
 
     def _tidy(self, step: int) -> None:
         """Rank 0, in the background and in commit order: keep a milestone's copy, drop old checkpoints."""
         t = self.config.train
         try:
             if checkpoint.is_milestone(step, t.keep_checkpoint_every):
-                self.session.emit({"kind": "kept", "step": step, "uri": self.store.keep_milestone(step)})
+                self.session.emit(events.Kept(step=step, uri=self.store.keep_milestone(step)))
             if self.session.prunes_checkpoints:
                 self.store.prune(t.keep_checkpoints, written_before=step)
         except Exception as e:  # housekeeping must never stop training; the next commit tries again
-            self.session.emit({"kind": "warning", "step": step, "message": f"checkpoint housekeeping: {e}"})
+            self.session.emit(events.RunWarning(step=step, message=f"checkpoint housekeeping: {e}"))
 
     def close(self) -> None:
         """Commit what is pending and let housekeeping finish."""

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from rayllm.data.order import DataState, StreamSpec
+from rayllm.events import RunEvent
 
 
 class Session(Protocol):
@@ -60,4 +61,5 @@ class Session(Protocol):
         """Whether this rank's process was asked to stop on its own (a reclaimed node): the run
         checkpoints at the step all ranks agree on, then restarts."""
 
-    def emit(self, record: dict[str, Any]) -> None: ...
+    def emit(self, event: RunEvent) -> None:
+        """Rank 0's events (rayllm/events.py) to the driver's monitor, and any rank's Failure."""

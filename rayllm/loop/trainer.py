@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rayllm import events
 from rayllm.checkpoint import hf_import
 from rayllm.checkpoint.checkpointer import Checkpointer, StepAgreement
 from rayllm.checkpoint.state import TrainState
@@ -237,7 +238,7 @@ class Trainer:
         session.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
         if self.step >= end:
-            self._emit("done", **{"step": self.step, **self.last_metrics})
+            self._emit(events.Done(step=self.step, metrics=self.last_metrics))
             session.report(self.last_metrics)
             self.checkpointer.close()
             return self.last_metrics
@@ -246,7 +247,7 @@ class Trainer:
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
         validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
         if self.step == 0 and (val := validator.loss()) is not None:
-            self._emit("val", step=0, val_loss=val)
+            self._emit(events.Val(step=0, val_loss=val))
         window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.ledger.counts_before)
         metrics: dict[str, Any] = dict(self.last_metrics)
         start = self.step
@@ -271,17 +272,18 @@ class Trainer:
         measure = lambda: all_sum([matmul_peak_flops(self.device)], self.device)[0]  # noqa: E731
         peak_flops = session.peak_flops(measure)
         self._emit(
-            "start",
-            step=self.step,
-            world_size=session.world_size,
-            params=self.n_params,
-            flops_per_token=fpt,
-            peak_flops=peak_flops,
-            restarts=self.restarts,
-            resumed_from=self.resumed_from,
-            accum_steps=self.accum,
-            layout=self.layout.describe(),
-            nodes=all_nodes(session.node),
+            events.Start(
+                step=self.step,
+                world_size=session.world_size,
+                params=self.n_params,
+                flops_per_token=fpt,
+                peak_flops=peak_flops,
+                restarts=self.restarts,
+                resumed_from=self.resumed_from,
+                accum_steps=self.accum,
+                layout=self.layout.describe(),
+                nodes=all_nodes(session.node),
+            )
         )
         return fpt, peak_flops
 
@@ -317,14 +319,14 @@ class Trainer:
                 self._checkpoint(metrics, final=False, in_memory=True)
         if agreed.preempted_rank is not None:
             self.checkpointer.close()
-            self._emit("preempted", step=self.step, rank=agreed.preempted_rank)
+            self._emit(events.Preempted(step=self.step, rank=agreed.preempted_rank))
             raise WorkerPreempted(
                 f"rank {agreed.preempted_rank} was asked to stop (SIGTERM or a preemption notice); checkpointed at "
                 f"step {self.step}, restarting from there"
             )
         if agreed.stop:
             self.stopped = True
-            self._emit("stopped", step=self.step)
+            self._emit(events.Stopped(step=self.step))
             return True
         if log:
             window.start()  # the next window's clock: validation and checkpoints are not step time
@@ -341,13 +343,13 @@ class Trainer:
         batch_at = time.time()
         loss, grad_norm = self.train_step(rows)
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
-            self._emit("skipped", step=self.step, shards=skipped)
+            self._emit(events.Skipped(step=self.step, shards=skipped))
         self.data_state = data_state
         if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
             phases = {**self.session.phases, "batch": batch_at}
-            self._emit("first_step", step=self.step, phases=phases, stream_kept=self.session.stream_kept)
+            self._emit(events.FirstStep(step=self.step, phases=phases, stream_kept=self.session.stream_kept))
         if self.nonfinite_in_row:
-            self._emit("nonfinite", step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row)
+            self._emit(events.NonFinite(step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row))
             if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
                 raise self._diverged()
         window.add(loss, grad_norm, finite=not self.nonfinite_in_row)
@@ -364,17 +366,17 @@ class Trainer:
             collective_frac=collective_frac,
         )
         metrics.update(update)
-        self._emit("train", **metrics, mixture=mixture)
+        self._emit(events.Train.from_metrics(metrics, mixture))
 
     def _validate(self, validator: Validator, metrics: dict[str, Any]) -> None:
         """Collective: the validation loss (into ``metrics``) and samples, with their records."""
         if (val := validator.loss()) is not None:
             metrics["val_loss"] = val
-            self._emit("val", step=self.step, val_loss=val)
+            self._emit(events.Val(step=self.step, val_loss=val))
         if samples := validator.samples():
-            self._emit("samples", step=self.step, samples=samples)
+            self._emit(events.Samples(step=self.step, samples=samples))
 
-    def _emit(self, kind: str, **fields: Any) -> None:
-        """A record for the driver: rank 0's (the others would send the same)."""
+    def _emit(self, event: events.RunEvent) -> None:
+        """An event for the driver: rank 0's (the others would send the same)."""
         if self.session.rank == 0:
-            self.session.emit({"kind": kind, **fields})
+            self.session.emit(event)

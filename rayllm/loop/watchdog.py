@@ -37,6 +37,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from rayllm import events
 from rayllm.config import TrainConfig
 from rayllm.io.storage import join, write_text
 
@@ -181,7 +182,7 @@ class HangWatchdog:
         if self.rank == min(r["rank"] for r in reports):
             write_text(join(folder, "summary.txt"), line + "\n", self._storage)
             print(f"[rayllm] {line}", file=sys.stderr, flush=True)
-            self._emit({"kind": "failure", "step": self._step, "rank": self.rank, "node": self.node, "message": line})
+            self._emit(events.Failure(step=self._step, rank=self.rank, node=self.node, message=line))
             time.sleep(1.0)  # the record leaves before this process does
         else:
             time.sleep(2.0)  # the lowest rank may host the store; let it read before this one goes

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from rayllm import events
 from rayllm.checkpoint.memory import start_registry
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
@@ -266,10 +267,13 @@ def _fit(trainer, config: TrainConfig, driver: _DriverActors, monitor: RunMonito
     records = driver.records
     stop = threading.Event()
 
+    def handle(record: dict[str, Any]) -> None:
+        monitor.handle(events.from_record(record))  # records cross the queue (RaySession.emit)
+
     def follow() -> None:
         while not stop.is_set():
             try:
-                monitor.handle(records.get(timeout=0.5))
+                handle(records.get(timeout=0.5))
             except queue_lib.Empty:
                 continue
             except Exception:
@@ -291,7 +295,7 @@ def _fit(trainer, config: TrainConfig, driver: _DriverActors, monitor: RunMonito
         follower.join(timeout=5)
         while True:
             try:
-                monitor.handle(records.get_nowait())
+                handle(records.get_nowait())
             except Exception:
                 break
         monitor.close()

@@ -1,7 +1,8 @@
 """The driver's view of a run: progress lines, Aim, and a JSON-lines metrics log.
 
-Rank 0 emits records (start, train, val, done); the monitor turns each into a line a
-person can follow, Aim metrics, and a line of metrics.jsonl in the run dir.
+Rank 0 emits events (rayllm/events.py: start, train, val, ...); the monitor turns each into a line
+of metrics.jsonl in the run dir, then, by its type (HANDLERS), into a line a person can follow
+and Aim metrics.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
+from rayllm import events
 from rayllm.config import TrainConfig
 from rayllm.io.storage import is_remote, join, read_text, write_text
 from rayllm.runtime.stragglers import Stragglers
@@ -91,11 +94,12 @@ class RunMonitor:
         if not self.quiet:
             print(text, file=self.out, flush=True)
 
-    def handle(self, record: dict[str, Any]) -> None:
-        record = {**record, "time": time.time()}
-        kind = record.get("kind")
-        if kind == "train" and "rank_own_step_s" in record:  # named in metrics.jsonl too
-            slow = self.stragglers.update(record["rank_own_step_s"])
+    def handle(self, event: events.RunEvent) -> None:
+        """One event: its line in metrics.jsonl (with when it came, and a train record's stragglers),
+        then what its kind does (HANDLERS)."""
+        record = {**event.to_record(), "time": time.time()}
+        if isinstance(event, events.Train):  # named in metrics.jsonl too
+            slow = self.stragglers.update(event.rank_own_step_s)
             record["stragglers"] = [{"rank": r, "node": self._node(r), "x_median": x} for r, x in slow.items()]
         self.history.append(record)
         if self._local_log:
@@ -103,102 +107,139 @@ class RunMonitor:
             self._local_log.flush()
         elif time.monotonic() - self._remote_flushed_at >= REMOTE_FLUSH_S:
             self._flush_remote()
-        step = int(record.get("step", 0))
-        if kind == "start":
-            if self.world_size is not None and record["world_size"] != self.world_size:
-                self.handle({"kind": "resize", "step": step, "from": self.world_size, "to": record["world_size"]})
-            self.world_size = record["world_size"]
-            self.nodes = list(record.get("nodes") or [])
-            self.stragglers.reset()
-            self.tracker.log_params(
-                {
-                    "world_size": record["world_size"],
-                    "num_params": record["params"],
-                    "flops_per_token": record["flops_per_token"],
-                    "peak_flops": record.get("peak_flops"),
-                }
-            )
-            verb = "resuming at step" if step else "starting at step"
-            source = " (from the in-memory checkpoint)" if record.get("resumed_from") == "memory" else ""
-            self.say(
-                f"[rayllm] {verb} {step}{source} on {record['world_size']} worker(s), "
-                f"{record['params'] / 1e6:.1f}M parameters, {record['accum_steps']} micro-batch(es) per worker "
-                f"per step"
-            )
-        elif kind == "resize":
-            self.say(
-                f"[rayllm] resized from {record['from']} to {record['to']} worker(s) at step {step}; "
-                f"the global batch stays {self.config.train.global_batch_size}"
-            )
-        elif kind == "checkpoint":
-            self.tracker.log_metrics({"checkpoint_stall_s": record["stall_s"]}, step, "train")
-        elif kind == "memory_checkpoint":
-            self.memory_bytes = record["bytes"]
-            held = {"memory_checkpoint_stall_s": record["stall_s"], "memory_checkpoint_bytes": record["bytes"]}
-            self.tracker.log_metrics(held, step, "train")
-        elif kind == "failure":
-            where = f" on node {record['node']}" if record.get("node") else ""
-            then = "the run ends" if record.get("final") else "restarting from the latest checkpoint"
-            self.say(
-                f"[rayllm] attempt failed at step {step} on rank {record['rank']}{where}: {record['message']}; {then}"
-            )
-        elif kind == "preempted":
-            self.say(
-                f"[rayllm] rank {record['rank']} was asked to stop (SIGTERM or a preemption notice): checkpointed at "
-                f"step {step}; restarting from there"
-            )
-        elif kind == "nonfinite":
-            print(
-                f"[rayllm] warning: step {step} skipped: loss {record['loss']}, gradient norm {record['grad_norm']} "
-                f"({record['in_row']} in a row)",
-                file=sys.stderr,
-                flush=True,
-            )
-        elif kind == "kept":
-            self.kept.append(record["uri"])
-        elif kind == "warning":
-            print(f"[rayllm] warning at step {step}: {record['message']}", file=sys.stderr, flush=True)
-        elif kind == "stopped":
-            self.say(f"[rayllm] stopped at step {step} with a checkpoint; running again resumes from it")
-        elif kind == "first_step":
-            self.first_step_at = record["time"]
-        elif kind == "train":
-            self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
-            self.mixture = record.get("mixture") or {}
-            if len(self.mixture) > 1:
-                for source, share in self.mixture.items():
-                    self.tracker.log_metrics({"mixture": share}, step, "train", source=source)
-            for key, name in PER_RANK_METRICS.items():
-                for rank, value in enumerate(record.get(key) or []):
-                    self.tracker.log_metrics({name: value}, step, "train", rank=str(rank))
-            total = self.config.train.max_steps
-            eta = (total - step) * record["step_time_s"]
-            slow = "".join(
-                f" | straggler: rank {s['rank']} on node {s['node']} ({s['x_median']:.1f}x the median step)"
-                for s in record.get("stragglers") or []
-            )
-            held = f" | in memory {self.memory_bytes / 2**20:,.1f} MiB" if self.memory_bytes is not None else ""
-            self.say(
-                f"[rayllm] step {step}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad {record['grad_norm']:.2f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"MFU {record.get('mfu', 0.0):.1%} | ETA {_duration(eta)}{held}{slow}"
-            )
-        elif kind == "val":
-            self.val_loss = record["val_loss"]
-            if step == 0:
-                self.initial_val_loss = record["val_loss"]
-            perplexity = math.exp(min(record["val_loss"], 50.0))
-            self.tracker.log_metrics({"val_loss": record["val_loss"], "val_perplexity": perplexity}, step, "val")
-            self.say(f"[rayllm] step {step} | val loss {record['val_loss']:.4f}")
-        elif kind == "samples":
-            for i, sample in enumerate(record["samples"]):
-                self.tracker.log_text(sample["text"], "samples", step, prompt=str(i))
-        elif kind == "skipped":
-            for entry in record["shards"]:
-                self.skipped.append(entry)
-                print(f"[rayllm] warning: skipped shard {entry['uri']}: {entry['error']}", file=sys.stderr, flush=True)
-        elif kind == "done":
-            self.val_loss = record.get("val_loss", self.val_loss)
+        self.HANDLERS[type(event)](self, event, record)
+
+    # -- one method per kind of event: (the event, its record as metrics.jsonl has it) ---------------
+
+    def _on_start(self, event: events.Start, record: dict[str, Any]) -> None:
+        step = event.step
+        if self.world_size is not None and event.world_size != self.world_size:
+            self.handle(events.Resize(step=step, from_workers=self.world_size, to_workers=event.world_size))
+        self.world_size = event.world_size
+        self.nodes = list(event.nodes or [])
+        self.stragglers.reset()
+        self.tracker.log_params(
+            {
+                "world_size": event.world_size,
+                "num_params": event.params,
+                "flops_per_token": event.flops_per_token,
+                "peak_flops": event.peak_flops,
+            }
+        )
+        verb = "resuming at step" if step else "starting at step"
+        source = " (from the in-memory checkpoint)" if event.resumed_from == "memory" else ""
+        self.say(
+            f"[rayllm] {verb} {step}{source} on {event.world_size} worker(s), "
+            f"{event.params / 1e6:.1f}M parameters, {event.accum_steps} micro-batch(es) per worker "
+            f"per step"
+        )
+
+    def _on_resize(self, event: events.Resize, record: dict[str, Any]) -> None:
+        self.say(
+            f"[rayllm] resized from {event.from_workers} to {event.to_workers} worker(s) at step {event.step}; "
+            f"the global batch stays {self.config.train.global_batch_size}"
+        )
+
+    def _on_checkpoint(self, event: events.Checkpoint, record: dict[str, Any]) -> None:
+        self.tracker.log_metrics({"checkpoint_stall_s": event.stall_s}, event.step, "train")
+
+    def _on_memory_checkpoint(self, event: events.MemoryCheckpoint, record: dict[str, Any]) -> None:
+        self.memory_bytes = event.nbytes
+        held = {"memory_checkpoint_stall_s": event.stall_s, "memory_checkpoint_bytes": event.nbytes}
+        self.tracker.log_metrics(held, event.step, "train")
+
+    def _on_failure(self, event: events.Failure, record: dict[str, Any]) -> None:
+        where = f" on node {event.node}" if event.node else ""
+        then = "the run ends" if event.final else "restarting from the latest checkpoint"
+        self.say(f"[rayllm] attempt failed at step {event.step} on rank {event.rank}{where}: {event.message}; {then}")
+
+    def _on_preempted(self, event: events.Preempted, record: dict[str, Any]) -> None:
+        self.say(
+            f"[rayllm] rank {event.rank} was asked to stop (SIGTERM or a preemption notice): checkpointed at "
+            f"step {event.step}; restarting from there"
+        )
+
+    def _on_nonfinite(self, event: events.NonFinite, record: dict[str, Any]) -> None:
+        print(
+            f"[rayllm] warning: step {event.step} skipped: loss {event.loss}, gradient norm {event.grad_norm} "
+            f"({event.in_row} in a row)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _on_kept(self, event: events.Kept, record: dict[str, Any]) -> None:
+        self.kept.append(event.uri)
+
+    def _on_warning(self, event: events.RunWarning, record: dict[str, Any]) -> None:
+        print(f"[rayllm] warning at step {event.step}: {event.message}", file=sys.stderr, flush=True)
+
+    def _on_stopped(self, event: events.Stopped, record: dict[str, Any]) -> None:
+        self.say(f"[rayllm] stopped at step {event.step} with a checkpoint; running again resumes from it")
+
+    def _on_first_step(self, event: events.FirstStep, record: dict[str, Any]) -> None:
+        self.first_step_at = record["time"]
+
+    def _on_train(self, event: events.Train, record: dict[str, Any]) -> None:
+        step = event.step
+        self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
+        self.mixture = event.mixture or {}
+        if len(self.mixture) > 1:
+            for source, share in self.mixture.items():
+                self.tracker.log_metrics({"mixture": share}, step, "train", source=source)
+        for key, name in PER_RANK_METRICS.items():
+            for rank, value in enumerate(record.get(key) or []):
+                self.tracker.log_metrics({name: value}, step, "train", rank=str(rank))
+        total = self.config.train.max_steps
+        eta = (total - step) * event.step_time_s
+        slow = "".join(
+            f" | straggler: rank {s['rank']} on node {s['node']} ({s['x_median']:.1f}x the median step)"
+            for s in record["stragglers"]
+        )
+        held = f" | in memory {self.memory_bytes / 2**20:,.1f} MiB" if self.memory_bytes is not None else ""
+        self.say(
+            f"[rayllm] step {step}/{total} | loss {event.loss:.4f} | lr {event.lr:.2e} | "
+            f"grad {event.grad_norm:.2f} | {event.tokens_per_s:,.0f} tok/s | "
+            f"MFU {event.mfu:.1%} | ETA {_duration(eta)}{held}{slow}"
+        )
+
+    def _on_val(self, event: events.Val, record: dict[str, Any]) -> None:
+        self.val_loss = event.val_loss
+        if event.step == 0:
+            self.initial_val_loss = event.val_loss
+        perplexity = math.exp(min(event.val_loss, 50.0))
+        self.tracker.log_metrics({"val_loss": event.val_loss, "val_perplexity": perplexity}, event.step, "val")
+        self.say(f"[rayllm] step {event.step} | val loss {event.val_loss:.4f}")
+
+    def _on_samples(self, event: events.Samples, record: dict[str, Any]) -> None:
+        for i, sample in enumerate(event.samples):
+            self.tracker.log_text(sample["text"], "samples", event.step, prompt=str(i))
+
+    def _on_skipped(self, event: events.Skipped, record: dict[str, Any]) -> None:
+        for entry in event.shards:
+            self.skipped.append(entry)
+            print(f"[rayllm] warning: skipped shard {entry['uri']}: {entry['error']}", file=sys.stderr, flush=True)
+
+    def _on_done(self, event: events.Done, record: dict[str, Any]) -> None:
+        self.val_loss = event.metrics.get("val_loss", self.val_loss)
+
+    HANDLERS: ClassVar[dict[type[events.RunEvent], Callable[..., None]]] = {
+        events.Start: _on_start,
+        events.Resize: _on_resize,
+        events.Checkpoint: _on_checkpoint,
+        events.MemoryCheckpoint: _on_memory_checkpoint,
+        events.Failure: _on_failure,
+        events.Preempted: _on_preempted,
+        events.NonFinite: _on_nonfinite,
+        events.Kept: _on_kept,
+        events.RunWarning: _on_warning,
+        events.Stopped: _on_stopped,
+        events.FirstStep: _on_first_step,
+        events.Train: _on_train,
+        events.Val: _on_val,
+        events.Samples: _on_samples,
+        events.Skipped: _on_skipped,
+        events.Done: _on_done,
+    }
 
     def _node(self, rank: int) -> str:
         return self.nodes[rank] if rank < len(self.nodes) else "?"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rayllm import events
 from rayllm.checkpoint import checkpoint_name
 from rayllm.checkpoint.memory import memory_uri
 from rayllm.config import TrainConfig
@@ -148,12 +149,13 @@ class RaySession:
         preemption = self._preemption_context
         return preemption is not None and preemption.preemption_info is not None
 
-    def emit(self, record: dict[str, Any]) -> None:
-        """Progress to the driver; never worth stopping training over (the driver may be gone)."""
-        if self._queue is None or (self.rank != 0 and record.get("kind") != "failure"):
+    def emit(self, event: events.RunEvent) -> None:
+        """Progress to the driver; never worth stopping training over (the driver may be gone). It
+        goes as its record, a plain dict, that the driver reads back (events.from_record)."""
+        if self._queue is None or (self.rank != 0 and not isinstance(event, events.Failure)):
             return
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait(event.to_record())
         except Exception as e:
             if not self._emit_failed:
                 logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
@@ -234,11 +236,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         repeated = ray.get(control.record_failure.remote(attempt, step, signature), timeout=30)
         if repeated:
             message = f"rank {session.rank} failed the same way at step {step} on a fresh attempt: {signature}"
-            session.emit({"kind": "failure", "step": step, "rank": session.rank, "message": message, "final": True})
+            session.emit(events.Failure(step=step, rank=session.rank, message=message, final=True))
             raise RayllmError(f"{message}. No restart fixes a deterministic error; fix its cause") from e
-        session.emit(
-            {"kind": "failure", "step": step, "rank": session.rank, "node": session.node, "message": signature}
-        )
+        session.emit(events.Failure(step=step, rank=session.rank, node=session.node, message=signature))
         raise
 
 

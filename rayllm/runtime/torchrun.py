@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from rayllm import events
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
 from rayllm.data.discover import DataSpecs, prepare_data
@@ -81,9 +82,9 @@ class LocalSession:
     def preempted(self) -> bool:
         return False  # torchrun forwards a signal to every rank: it is a stop of the whole run
 
-    def emit(self, record: dict[str, Any]) -> None:
-        if self.monitor is not None:
-            self.monitor.handle(record)
+    def emit(self, event: events.RunEvent) -> None:
+        if self.monitor is not None:  # rank 0's, in this process: the event itself
+            self.monitor.handle(event)
 
 
 def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
