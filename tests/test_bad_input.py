@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import hf_folder
+from helpers import hf_folder
 
 
 def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from rayllm.bench.gpu import bench_config, planner_gpu, published_peak
 from rayllm.config import TrainConfig

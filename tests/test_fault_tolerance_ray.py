@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TEST_MODEL, free_port
+from helpers import TEST_MODEL, free_port
 
 pytestmark = pytest.mark.slow
 # Enough steps for every event to land mid-run: each comes a few steps after the restart before

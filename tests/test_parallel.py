@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
-from test_torchrun import losses, torchrun
+from helpers import free_port, losses, torchrun_records
 
 LEG_STEPS = 5
 # name: (ranks, overrides, the layout the run reports). Global batch 8: HSDP accumulates 2
@@ -49,12 +48,12 @@ def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkp
     legs = ["fsdp4", "hsdp2x2", "tp2xfsdp2", "tp2", "fsdp4"]
     steps = LEG_STEPS * len(legs)
     run = [*base, f"train.max_steps={steps}"]
-    one = losses(torchrun(1, [*run, f"run.dir={tmp_path / 'one'}"]))
+    one = losses(torchrun_records(1, [*run, f"run.dir={tmp_path / 'one'}"]))
     assert sorted(one) == list(range(1, steps + 1)) and one[steps] < one[1]
     for i, name in enumerate(legs):
         nproc, layout, described = LAYOUTS[name]
         stop = LEG_STEPS * (i + 1)
-        records = torchrun(nproc, [*run, *layout, f"run.dir={tmp_path / 'legs'}", f"train.stop_at_step={stop}"])
+        records = torchrun_records(nproc, [*run, *layout, f"run.dir={tmp_path / 'legs'}", f"train.stop_at_step={stop}"])
         start = [r for r in records if r["kind"] == "start"][-1]
         assert (start["step"], start["world_size"], start["layout"]) == (stop - LEG_STEPS, nproc, described)
         trained = losses(records[records.index(start) :])

@@ -10,15 +10,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, cli_train_cmd, ray_head
+from helpers import REPO, TEST_MODEL, cli_train_cmd, ray_head
 
 from rayllm import RayllmError, TrainConfig
 from rayllm import ray_runtime as rt
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _config(*overrides: str) -> TrainConfig:

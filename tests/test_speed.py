@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TEST_MODEL
+from helpers import TEST_MODEL
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from rayllm import TrainConfig
