@@ -2,7 +2,7 @@
 node on 127.0.0.1), run in a process of their own so this cluster never meets the test
 session's local Ray. Prints one JSON object: each scenario's records.
 
-    python tests/ray_cluster_scenarios.py '{"overrides": [...], "scenarios": ["reference", ...]}'
+    python tests/integration/ray_cluster_scenarios.py '{"overrides": [...], "scenarios": ["reference", ...]}'
 
 Nodes: a head with 2 CPUs (driver-side actors and Ray Data tasks) and two 1-CPU worker nodes
 with a ``trainer`` resource, which every training worker needs: so each node holds one worker,
@@ -29,6 +29,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # After a node is lost, Ray Train first waits for as many workers as before (up to 60 s by
 # default) before it settles for fewer; 10 s keeps these runs short.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
 
 import ray  # noqa: E402
 from helpers import checkpoint_registered, read_records  # noqa: E402

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import free_port, losses, torchrun_records
@@ -65,10 +66,11 @@ def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkp
 # (PROBE_DIM=64) gains 3-4 MiB at init on each of 4 ranks. The bound allows that and the
 # largest parameter's full copy beside the shards, with room.
 FIXED_INIT_BYTES = 16 * 2**20
+PROBE = Path(__file__).with_name("parallel_probe.py")
 
 
 def probe(tmp_path, *args: str) -> list[dict]:
-    """tests/parallel_probe.py on 4 torchrun ranks: one record per rank."""
+    """parallel_probe.py (beside this file) on 4 torchrun ranks: one record per rank."""
     out = tmp_path / "-".join(args)
     out.mkdir()
     cmd = [
@@ -78,7 +80,7 @@ def probe(tmp_path, *args: str) -> list[dict]:
         "--nproc_per_node=4",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        "tests/parallel_probe.py",
+        str(PROBE),
         *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PROBE_OUT": str(out)})
