@@ -16,6 +16,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # tests send nothing beyond loopback
 
 import pytest  # noqa: E402
+
+pytest.register_assert_rewrite("helpers")  # its asserts explain themselves as a test's do
+
 from helpers import TEST_MODEL, free_port  # noqa: E402
 
 from rayllm.data.demo_corpus import stdlib_modules  # noqa: E402

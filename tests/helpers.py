@@ -113,6 +113,24 @@ def cli_train_cmd(corpus, tokenizer_file, run_dir, *extra: str) -> list[str]:
     ]
 
 
+def run_cli_train(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m rayllm.cli train *args`, finished, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "rayllm.cli", "train", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def assert_clear_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """A refusal of bad input: exit code 2, no traceback, a last line naming every needle, no worker started."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith("rayllm: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in message, message
+    assert "starting at step" not in proc.stdout  # failed before any worker started
+
+
 def hf_folder(path, max_positions: int = 128, **changes) -> str:
     """A transformers-style Llama folder holding only its config.json (and a stand-in tokenizer.json)."""
     config = {
