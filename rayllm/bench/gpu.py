@@ -48,7 +48,7 @@ from rayllm.parallel.mesh import build_mesh, tp_mesh
 from rayllm.parallel.process_group import free_port, init_group, local_device
 from rayllm.parallel.tp import apply_tp
 
-# configs/llama-1b-1gpu.yaml's model and micro-batch (tests/test_bench_gpu.py keeps them equal).
+# configs/llama-1b-1gpu.yaml's model and micro-batch (tests/unit/test_bench_gpu_config.py keeps them equal).
 FULL = """model.dim=2048 model.n_layers=16 model.n_heads=32 model.n_kv_heads=8 model.vocab_size=128256
     model.ffn_hidden=8192 model.rope_theta=500000.0 model.tie_embeddings=true data.seq_len=4096
     train.micro_batch_size=4""".split()

@@ -81,7 +81,7 @@ _COUNT, _SECONDS = Range(1), Range(0, low_open=True)
 _COUNT_OR_NULL, _SECONDS_OR_NULL = Range(1, null=True), Range(0, low_open=True, null=True)
 
 # Every number in the tree: its range, and the fix a message gives with it. A key added to the
-# tree without an entry here fails tests/test_config.py.
+# tree without an entry here fails tests/unit/test_config.py.
 RANGES: dict[str, tuple[Range, str]] = {
     "data.seq_len": (_COUNT, "set the tokens per training sequence, for example data.seq_len=256"),
     "data.tokenizer_sample_docs": (_COUNT, "set the documents a new tokenizer learns from, for example 4000"),

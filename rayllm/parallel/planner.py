@@ -4,7 +4,7 @@ Arithmetic only (no torch, no torch.distributed), the torchtitan/Megatron way: e
 bytes per GPU at the step's peak, which comes in backward of a micro-batch after the first,
 when the sharded gradients, the optimizer state and all saved activations coexist. The
 activation terms count the tensors autograd saves in rayllm's own Llama (eager): on CPU they
-match the live bytes of PyTorch's profiler to 0.01% (tests/test_plan.py). On GPU torch.compile fuses the
+match the live bytes of PyTorch's profiler to 0.01% (tests/integration/test_plan_measured.py). On GPU torch.compile fuses the
 norms and saves somewhat less, so the plan errs high.
 """
 

@@ -9,13 +9,12 @@ marker is in no file of the run, no Ray log and no state-API output. A determini
 from __future__ import annotations
 
 import glob
-import os
 import pathlib
 import time
 
 import numpy as np
 import pytest
-from conftest import TEST_MODEL, kill_actor_after
+from helpers import TEST_MODEL, kill_actor_after, read_records
 from test_exactly_once import G, ids_of, write_small_corpus
 
 from rayllm import RayllmError, TrainConfig, train
@@ -118,9 +117,7 @@ def test_an_error_that_repeats_at_the_same_step_ends_the_run_after_two_attempts(
     with pytest.raises(RayllmError, match="failed the same way at step 2 on a fresh attempt") as caught:
         train(config, quiet=True)
     assert "injected deterministic failure in step 3" in str(caught.value)
-    with open(os.path.join(config.run.dir, "metrics.jsonl")) as f:
-        starts = [line for line in f if '"kind": "start"' in line]
-    assert len(starts) == 2
+    assert len(read_records(config.run.dir, "start")) == 2
 
 
 def test_a_stalled_data_stream_is_an_error_naming_the_wait(ray_local):

@@ -12,9 +12,10 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, free_port
+from helpers import TEST_MODEL, free_port
 
 pytestmark = pytest.mark.slow
 # Enough steps for every event to land mid-run: each comes a few steps after the restart before
@@ -51,7 +52,7 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
     }
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, "tests/ray_cluster_scenarios.py", json.dumps(args)],
+        [sys.executable, str(Path(__file__).with_name("ray_cluster_scenarios.py")), json.dumps(args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,10 +1,10 @@
 """The main job through Ray Train on a real local Ray (127.0.0.1): the Python API end to end."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import REPO, TEST_MODEL, read_records
 
 from rayllm import RayllmError, TrainConfig, train
 from rayllm.runtime.monitor import TRAIN_METRICS
@@ -86,7 +86,7 @@ def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_pat
     assert aim_run["num_params"] > 0 and aim_run["flops_per_token"] > 0 and aim_run["world_size"] == 2
     assert aim_run["peak_flops"] > 0
     assert aim_run["versions"]["torch"] and aim_run["versions"]["ray"]
-    if (Path(__file__).resolve().parents[1] / ".git").exists():  # run from a git checkout
+    if (REPO / ".git").exists():  # run from a git checkout
         assert len(aim_run["git_commit"]) >= 40
     # Greedy samples of the default prompts at every validation, as Aim text.
     from aim.storage.context import Context
@@ -101,8 +101,6 @@ def test_loss_falls_checkpoints_and_aim_reads_back(ray_local, overrides, tmp_pat
 def uninterrupted(request, tmp_path_factory, corpus, tokenizer_file):
     """A 6-step run on 2 workers, shared by the parity and resume tests."""
     request.getfixturevalue("ray_local")
-    from conftest import TEST_MODEL
-
     base = [
         *TEST_MODEL,
         f"data.train={corpus / 'train'}",
@@ -177,12 +175,8 @@ def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_befor
     thread = threading.Thread(target=lambda: box.update(result=run(config)), daemon=True)
     thread.start()
 
-    def records() -> list[dict]:
-        path = run_dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
     deadline = time.time() + 300
-    while time.time() < deadline and not any(r["kind"] == "memory_checkpoint" and r["step"] == 4 for r in records()):
+    while time.time() < deadline and not any(r["step"] == 4 for r in read_records(run_dir, "memory_checkpoint")):
         time.sleep(0.2)
     workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
     os.kill(workers[-1].pid, signal.SIGKILL)

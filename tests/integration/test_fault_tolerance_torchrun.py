@@ -4,7 +4,6 @@ complete checkpoint; SIGTERM saves a checkpoint at the next step and the next st
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import torchrun_cmd
+from helpers import losses, read_records, torchrun_cmd
 from safetensors.torch import load_file
 
 import rayllm
@@ -20,15 +19,6 @@ from rayllm.checkpoint import COMMIT_FILE
 from rayllm.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
-
-
-def records(run_dir) -> list[dict]:
-    with open(f"{run_dir}/metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(recs: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
 
 
 @pytest.fixture
@@ -67,12 +57,12 @@ def test_crash_between_write_and_commit_resumes_from_the_previous_checkpoint(bas
     weights = load_file(str(exported / "model.safetensors"))
     assert torch.equal(weights["lm_head.weight"], reference["output.weight"])
     subprocess.run(torchrun_cmd(2, [*base, f"run.dir={run_dir}"]), check=True, capture_output=True, timeout=600)
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     starts = [r for r in recs if r["kind"] == "start"]
     assert [s["step"] for s in starts] == [0, 2]
     resumed = losses(recs[recs.index(starts[-1]) :])
     assert sorted(resumed) == [3, 4, 5, 6]
-    full = losses(records(full_dir))
+    full = losses(read_records(full_dir))
     assert abs(resumed[6] - full[6]) / full[6] <= 1e-4
 
 
@@ -82,12 +72,12 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes_from_it(base, tmp
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and any(r["kind"] == "train" for r in records(run_dir)):
+        if read_records(run_dir, "train"):
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)  # what a spot notice or a scheduler sends
     out, err = proc.communicate(timeout=120)
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     stopped = [r for r in recs if r["kind"] == "stopped"]
     assert len(stopped) == 1, out[-2000:] + err[-2000:]
     step = stopped[0]["step"]
@@ -100,7 +90,7 @@ def test_sigterm_saves_a_checkpoint_and_the_next_start_resumes_from_it(base, tmp
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    starts = [r for r in records(run_dir) if r["kind"] == "start"]
+    starts = read_records(run_dir, "start")
     assert starts[-1]["step"] == step
 
 
@@ -122,5 +112,5 @@ def test_a_nan_loss_stops_the_run_and_the_latest_checkpoint_is_the_last_finite_o
     assert complete[-1] == "checkpoint_00000004"  # not 6: its step was skipped, not trained
     model = rayllm.load(str(run_dir), device="cpu").model
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    skipped = [r["step"] for r in records(run_dir) if r["kind"] == "nonfinite"]
+    skipped = [r["step"] for r in read_records(run_dir, "nonfinite")]
     assert skipped == [5, 6, 7]

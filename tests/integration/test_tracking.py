@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers import free_port, read_records
 
 from rayllm import TrainConfig, train
 from rayllm.runtime.tracking import Tracker
@@ -53,11 +53,6 @@ def _answers(port: int) -> bool:
         return False
 
 
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _aim_server(repo: Path, port: int) -> subprocess.Popen:
     server = subprocess.Popen(
         _aim_cli("server", "--repo", str(repo), "--host", "127.0.0.1", "--port", str(port)),
@@ -81,16 +76,20 @@ def _stop(server: subprocess.Popen, port: int) -> None:
 
 def _wait_for_step(run_dir: Path, step: int, thread: threading.Thread) -> int:
     deadline = time.time() + 300
-    while time.time() < deadline and thread.is_alive() and not any(r.get("step", 0) >= step for r in _records(run_dir)):
+    while (
+        time.time() < deadline
+        and thread.is_alive()
+        and not any(r.get("step", 0) >= step for r in read_records(run_dir))
+    ):
         time.sleep(0.2)
-    return max((r.get("step", 0) for r in _records(run_dir)), default=0)
+    return max((r.get("step", 0) for r in read_records(run_dir)), default=0)
 
 
 @pytest.fixture(scope="module")
 def remote_run(ray_local, corpus, tokenizer_file, tmp_path_factory):
     """A run tracked through a real `aim server`, which is killed after step 10 and started
     again (same repo, same port) 15 steps later."""
-    from conftest import TEST_MODEL
+    from helpers import TEST_MODEL
 
     repo = tmp_path_factory.mktemp("aim-server-repo")
     subprocess.run(_aim_cli("init"), cwd=repo, check=True, capture_output=True)

@@ -16,6 +16,7 @@ import pytest
 import ray
 import torch
 import yaml
+from helpers import REPO
 
 from rayllm import TrainConfig
 from rayllm.autoscaler import spot_first
@@ -23,7 +24,6 @@ from rayllm.loop.trainer import model_args
 from rayllm.model import Llama, num_params
 from rayllm.parallel.layout import resolve_layout, usable_world_sizes
 
-REPO = Path(__file__).resolve().parents[1]
 LAUNCHER_CONFIGS = sorted((REPO / "cluster").glob("*.yaml"))
 KUBERAY = REPO / "cluster" / "kuberay"
 

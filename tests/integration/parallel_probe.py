@@ -1,7 +1,7 @@
 """Memory of one rank under real torchrun gloo groups, one JSON file per rank in $PROBE_OUT.
 
-    PROBE_OUT=DIR torchrun --nproc_per_node 4 tests/parallel_probe.py init
-    PROBE_OUT=DIR torchrun --nproc_per_node 4 tests/parallel_probe.py accumulate sharded|unsharded
+    PROBE_OUT=DIR torchrun --nproc_per_node 4 tests/integration/parallel_probe.py init
+    PROBE_OUT=DIR torchrun --nproc_per_node 4 tests/integration/parallel_probe.py accumulate sharded|unsharded
 
 init: the resident memory a rank gains while the model is built on meta, sharded (FSDP over
 every rank) and materialised. accumulate: the gradient memory a rank holds after each of 4

@@ -2,7 +2,7 @@
 node on 127.0.0.1), run in a process of their own so this cluster never meets the test
 session's local Ray. Prints one JSON object: each scenario's records.
 
-    python tests/ray_cluster_scenarios.py '{"overrides": [...], "scenarios": ["reference", ...]}'
+    python tests/integration/ray_cluster_scenarios.py '{"overrides": [...], "scenarios": ["reference", ...]}'
 
 Nodes: a head with 2 CPUs (driver-side actors and Ray Data tasks) and two 1-CPU worker nodes
 with a ``trainer`` resource, which every training worker needs: so each node holds one worker,
@@ -30,22 +30,16 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # default) before it settles for fewer; 10 s keeps these runs short.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
+
 import ray  # noqa: E402
-from conftest import checkpoint_registered  # noqa: E402
+from helpers import checkpoint_registered, read_records  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayllm import TrainConfig, train  # noqa: E402
 
 WORKER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
 PAUSE_AT = 150  # the chaos run waits before this step until its last event has landed
-
-
-def records(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def wait_for(condition, timeout: float = 300.0) -> bool:
@@ -85,7 +79,7 @@ def trained_ids(run_dir: str) -> list[list[int]]:
 
 
 def summary(run_dir: str, box: dict, **extra) -> dict:
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     result = box.get("result")
     return {
         "error": box.get("error"),
@@ -105,7 +99,7 @@ def summary(run_dir: str, box: dict, **extra) -> dict:
 
 
 def trained_past(run_dir: str, step: int, world_size: int | None = None) -> bool:
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
     if not starts:
         return False
@@ -125,13 +119,13 @@ def scenario_reference(overrides, root):
 
 
 def last_step(run_dir: str) -> int:
-    return max((r["step"] for r in records(run_dir) if r["kind"] == "train"), default=0)
+    return max((r["step"] for r in read_records(run_dir, "train")), default=0)
 
 
 def trained_before(run_dir: str) -> list[int]:
     """For each attempt's start, the last step any attempt had logged before it."""
     last, out = 0, []
-    for r in records(run_dir):
+    for r in read_records(run_dir):
         if r["kind"] == "start":
             out.append(last)
         elif r["kind"] == "train":
@@ -140,7 +134,7 @@ def trained_before(run_dir: str) -> list[int]:
 
 
 def starts(run_dir: str) -> list[dict]:
-    return [r for r in records(run_dir) if r["kind"] == "start"]
+    return read_records(run_dir, "start")
 
 
 def latest_start(run_dir: str) -> int:
@@ -244,7 +238,7 @@ def scenario_chaos(overrides, root, cluster, nodes):
         for name in faults:
             del os.environ[name]
     thread.join()
-    recs = records(run_dir)
+    recs = read_records(run_dir)
     return summary(
         run_dir,
         box,

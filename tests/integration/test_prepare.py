@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import s3_client
+from helpers import s3_client
 
 from rayllm.errors import ConfigError, DataError
 from rayllm.prepare import PrepareConfig, prepare
@@ -387,7 +387,7 @@ def test_document_ids_round_trip():
 
 
 def _train_config(data_path: str, run_dir: Path, *extra: str):
-    from conftest import TEST_MODEL
+    from helpers import TEST_MODEL
 
     from rayllm import TrainConfig
 

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import s3_client
+from helpers import s3_client
 
 from rayllm import TrainConfig, train
 
@@ -21,7 +21,7 @@ def bucket(s3_server, corpus):
 
 
 def test_train_from_s3_with_checkpoints_on_s3_and_resume(ray_local, s3_server, bucket, overrides):
-    from conftest import TEST_MODEL
+    from helpers import TEST_MODEL
 
     base = [
         *TEST_MODEL,

@@ -9,13 +9,11 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import cli_train_cmd, free_port, ray_head
+from helpers import REPO, cli_train_cmd, free_port, ray_head, read_records
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _fake_cluster_config(gcs: str) -> dict:
@@ -116,16 +114,15 @@ def test_the_autoscaler_adds_nodes_and_training_grows_to_two_workers(
     hold.touch()
     env = {**env, "RAYLLM_FAULT_PAUSE_AT": f"50:{hold}"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = run_dir / "metrics.jsonl"
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
-        if log.exists() and '"kind": "start", "step"' in (text := log.read_text()) and '"world_size": 2' in text:
+        if any(r["world_size"] == 2 for r in read_records(run_dir, "start")):
             break
         time.sleep(0.5)
     hold.unlink()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    records = read_records(run_dir)
     sizes = [r["world_size"] for r in records if r["kind"] == "start"]
     assert sizes[-1] == 2, sizes  # training grew to (or started at) 2 workers as nodes came up
     train = [r for r in records if r["kind"] == "train"]

@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TEST_MODEL, free_port, kill_ray_head, ray_head_command
+from helpers import REPO, TEST_MODEL, free_port, kill_ray_head, ray_head_command, read_records
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 60
 CHECKPOINT_EVERY = 5
 # The first job waits before this step until `ray job stop` has reached its driver: the stop's
@@ -89,13 +88,6 @@ def _submit(address: str, env: dict, *args: str, timeout: float = 600) -> subpro
         time.sleep(2)
 
 
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _registered_steps(run_dir: Path) -> list[int]:
     """The steps of the checkpoints Ray Train has registered (so a failure now resumes from one)."""
     try:
@@ -141,7 +133,7 @@ def _submit_until_step(address: str, env: dict, run_dir: Path, step: int, *args:
     submitted = _submit(address, env, "--no-wait", *args, timeout=120)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     job_id = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr).group(0)
-    trained = lambda: any(r["kind"] == "train" and r["step"] >= step for r in _records(run_dir))  # noqa: E731
+    trained = lambda: any(r["step"] >= step for r in read_records(run_dir, "train"))  # noqa: E731
     _wait_until(trained, address, env, job_id)
     assert trained(), _job(address, env, "logs", job_id).stdout[-3000:]
     return job_id
@@ -199,7 +191,7 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes_then_after_the_head_i
     status = _job(ray_head.address, ray_head.env, "status", job_id)
     assert "was stopped" in status.stdout + status.stderr
     assert "SIGTERM: saving a checkpoint at the next step" in logs, logs[-3000:]
-    stop_step = next(r["step"] for r in _records(run_dir) if r["kind"] == "stopped")
+    stop_step = next(r["step"] for r in read_records(run_dir, "stopped"))
     assert stop_step == STOP_AT  # the step after the signal, not a periodic checkpoint's
     checkpoints = sorted(p.name for p in run_dir.glob("checkpoint_0*"))
     assert checkpoints[-1] == f"checkpoint_{stop_step:08d}"  # the stop's checkpoint, not a periodic one
@@ -207,7 +199,7 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes_then_after_the_head_i
     # 2. The same job again, on the same head: it resumes where the first one stopped. The head
     # is lost once it has trained on and Ray Train has registered a checkpoint after the stop's.
     job_id = _submit_until_step(ray_head.address, ray_head.env, run_dir, stop_step + 1, *common, "--", *entry)
-    starts = [r for r in _records(run_dir) if r["kind"] == "start"]
+    starts = read_records(run_dir, "start")
     assert [s["step"] for s in starts] == [0, stop_step]  # the second job resumed where the first stopped
     newer = lambda: any(step > stop_step for step in _registered_steps(run_dir))  # noqa: E731
     _wait_until(newer, ray_head.address, ray_head.env, job_id, timeout=120)
@@ -221,7 +213,7 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes_then_after_the_head_i
     for p in drivers:
         p.kill()  # SIGKILL, like the rest of the head: no handler runs, no final checkpoint
     ray_head.replace()  # every process of the head killed; a new head, with its own token
-    killed_at = max(r["step"] for r in _records(run_dir) if r["kind"] == "train")
+    killed_at = max(r["step"] for r in read_records(run_dir, "train"))
     assert killed_at < STEPS
 
     # 3. The same job on the new head: it resumes from the latest checkpoint and finishes.
@@ -229,11 +221,11 @@ def test_ray_job_stop_checkpoints_and_the_same_job_resumes_then_after_the_head_i
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "succeeded" in again.stdout + again.stderr
     assert f"[rayllm] step {STEPS}/{STEPS} | loss" in again.stdout  # the job's logs show training
-    starts = [r for r in _records(run_dir) if r["kind"] == "start"]
+    starts = read_records(run_dir, "start")
     assert len(starts) == 3 and starts[1]["step"] == stop_step
     resumed = starts[2]["step"]  # a periodic checkpoint's, after the stop's: the latest one
     assert stop_step < resumed <= killed_at and resumed % CHECKPOINT_EVERY == 0, starts
-    done = [r for r in _records(run_dir) if r["kind"] == "train"][-1]
+    done = read_records(run_dir, "train")[-1]
     assert done["step"] == STEPS
 
     repo = aim.Repo(str(run_dir / "aim"))

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import kill_actor_after, s3_client
+from helpers import kill_actor_after, s3_client
 
 from rayllm import TrainConfig, train
 from rayllm.data.discover import prepare_data

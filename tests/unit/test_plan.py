@@ -1,11 +1,10 @@
-"""`rayllm plan`: the memory planner's terms against hand arithmetic, GPU fits, and the CPU peak measured."""
+"""`rayllm plan`: the memory planner's terms against hand arithmetic, and GPU fits (the CPU peak measured:
+tests/integration/test_plan_measured.py)."""
 
 from __future__ import annotations
 
 import os
 import re
-
-import pytest
 
 from rayllm.cli import main
 from rayllm.config import TrainConfig
@@ -20,20 +19,6 @@ LLAMA_70B_SHAPE = [
     "model.n_kv_heads=8",
     "model.ffn_hidden=28672",
     "model.vocab_size=128256",
-]
-# The CPU check's model: the test model scaled up so that model state and activations, not the
-# process's own ~250 MB, make the peak; 2 micro-batches a step, so gradients coexist with activations.
-CPU_MODEL = [
-    "model.dim=512",
-    "model.n_layers=8",
-    "model.n_heads=8",
-    "model.n_kv_heads=4",
-    "model.vocab_size=4096",
-    "data.seq_len=256",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "cluster.num_workers=1",
-    "train.compile=false",
 ]
 
 
@@ -107,59 +92,6 @@ def test_plan_llama_70b_needs_tensor_parallelism():
     print(alone.format())
     assert not alone.fits  # 16 bytes x 70.6B / 8 GPUs = 141 GB of state alone
     assert alone.breakdown["optimizer"] + alone.breakdown["parameters"] > 81559 * 2**20
-
-
-def test_plan_agrees_with_measured_cpu_peak():
-    from rayllm.bench.speed import run_ranks
-
-    config = TrainConfig.from_yaml("configs/tiny.yaml", CPU_MODEL)
-    plan = plan_memory(config, gpu=None, nodes=1, gpus_per_node=1, framework_bytes=0)
-    planned = plan.total_bytes - plan.breakdown["framework_reserve"]
-    # The Trainer's real steps in a fresh process: its peak resident memory above what it held before
-    # it built the model (torch imported). Step 2 is the first with AdamW's state from the start.
-    measured = run_ranks(config, 1, 2, threads=1)["peak_bytes"]
-    error = planned / measured - 1
-    print(
-        f"\nrayllm plan on the tiny config (scaled up: dim 512, 8 layers) agrees with the measured CPU peak "
-        f"within 15%: planned {planned:,} bytes, measured {measured:,} bytes ({error:+.1%})"
-    )
-    print(plan.format())
-    assert abs(error) < 0.15
-    # The check can fail: the planner without its optimizer term would be off by more than 15%.
-    assert abs((planned - plan.breakdown["optimizer"]) / measured - 1) > 0.15
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_plan_terms_are_the_live_bytes_pytorch_allocates(checkpointing):
-    """Without the heap's slack, the terms are the bytes PyTorch's profiler sees live at the step's peak."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from rayllm.bench.speed import _trainer, synthetic_rows
-
-    small = ["model.dim=256", "model.n_layers=2", "data.seq_len=128", f"train.activation_checkpointing={checkpointing}"]
-    config = TrainConfig.from_yaml("configs/tiny.yaml", CPU_MODEL + small)
-    trainer = _trainer(config, 0, 1, torch.device("cpu"))
-    rows = synthetic_rows(config, config.train.global_batch_size)
-    trainer.train_step(rows)  # AdamW's state exists from here on
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.train_step(rows)
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    plan = plan_memory(config, gpu=None, nodes=1, gpus_per_node=1, framework_bytes=0)
-    b = plan.breakdown
-    peak += b["parameters"] + b["optimizer"]  # held before the step starts
-    counted = sum(b[k] for k in ("parameters", "gradients", "optimizer", "activations", "logits_loss"))
-    print(f"\nactivation checkpointing {checkpointing}: live peak {peak:,} bytes, planned {counted:,} bytes")
-    if not checkpointing:
-        assert peak == pytest.approx(counted, rel=0.01)
-    else:
-        # The recomputed block and the loss's logits never coexist: the sum errs high by one of them.
-        recomputed = b["activations"] - 2 * 4 * 256 * 4 * 128  # less the 2 blocks' saved fp32 inputs
-        assert peak <= counted <= peak + min(recomputed, b["logits_loss"]) * 1.05
 
 
 def test_plan_unknown_gpu_is_a_one_line_error(capsys):

@@ -15,7 +15,7 @@ import time
 import boto3
 import numpy as np
 import pytest
-from conftest import TEST_MODEL, free_port, s3_client
+from helpers import TEST_MODEL, free_port, s3_client
 
 from rayllm import DataError, TrainConfig
 from rayllm.data.discover import prepare_data

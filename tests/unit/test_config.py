@@ -7,7 +7,7 @@ import types
 import typing
 
 import pytest
-from conftest import hf_folder
+from helpers import hf_folder
 
 from rayllm import ConfigError, TrainConfig
 from rayllm.config import RANGES

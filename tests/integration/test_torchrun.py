@@ -5,26 +5,10 @@ processes at the same global batch; a stopped run resumes where it stopped.
 """
 
 import json
-import os
 import statistics
-import subprocess
 
 import pytest
-from conftest import torchrun_cmd
-
-
-def torchrun(nproc: int, overrides: list[str], env: dict[str, str] | None = None, fails: bool = False) -> list[dict]:
-    cmd = torchrun_cmd(nproc, overrides)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.dir="))
-    with open(f"{run_dir}/metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    return [*records, {"kind": "output", "stdout": proc.stdout, "stderr": proc.stderr}]
-
-
-def losses(records: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+from helpers import losses, torchrun_records
 
 
 @pytest.fixture
@@ -40,9 +24,9 @@ def base(overrides):
 
 
 def test_one_and_two_fsdp_processes_give_the_same_losses(base, tmp_path):
-    one_records = torchrun(1, [*base, f"run.dir={tmp_path / 'one'}"])
+    one_records = torchrun_records(1, [*base, f"run.dir={tmp_path / 'one'}"])
     # Rank 1 is starved of data for 0.3 s a step: the logged wait names it, and the losses do not move.
-    two_records = torchrun(2, [*base, f"run.dir={tmp_path / 'two'}"], env={"RAYLLM_FAULT_SLOW_DATA": "1:0.3"})
+    two_records = torchrun_records(2, [*base, f"run.dir={tmp_path / 'two'}"], env={"RAYLLM_FAULT_SLOW_DATA": "1:0.3"})
     one, two = losses(one_records), losses(two_records)
     assert sorted(one) == sorted(two) == list(range(1, 7))
     for r in one_records:
@@ -69,10 +53,10 @@ def test_one_and_two_fsdp_processes_give_the_same_losses(base, tmp_path):
 
 
 def test_stopped_run_resumes_at_its_step_and_matches(base, tmp_path):
-    full = losses(torchrun(2, [*base, f"run.dir={tmp_path / 'full'}"]))
-    first = torchrun(2, [*base, f"run.dir={tmp_path / 'split'}", "train.stop_at_step=3"])
+    full = losses(torchrun_records(2, [*base, f"run.dir={tmp_path / 'full'}"]))
+    first = torchrun_records(2, [*base, f"run.dir={tmp_path / 'split'}", "train.stop_at_step=3"])
     assert max(losses(first)) == 3
-    records = torchrun(1, [*base, f"run.dir={tmp_path / 'split'}"])  # resumed on a different world size
+    records = torchrun_records(1, [*base, f"run.dir={tmp_path / 'split'}"])  # resumed on a different world size
     starts = [r for r in records if r["kind"] == "start"]
     assert starts[-1]["step"] == 3
     resumed = losses(records[records.index(starts[-1]) :])
@@ -82,7 +66,7 @@ def test_stopped_run_resumes_at_its_step_and_matches(base, tmp_path):
 
 def test_every_mth_checkpoint_is_kept_beside_the_last_k(base, tmp_path):
     run_dir = tmp_path / "run"
-    torchrun(
+    torchrun_records(
         1,
         [
             *base,
@@ -154,7 +138,9 @@ def test_four_ranks_train_on_each_sequence_once_in_the_seed_order_through_4_2_4(
     ]
     outputs = []
     for nproc, stop, extra, env, fails in legs:
-        records = torchrun(nproc, [*base, f"train.max_steps={steps}", f"train.stop_at_step={stop}", *extra], env, fails)
+        records = torchrun_records(
+            nproc, [*base, f"train.max_steps={steps}", f"train.stop_at_step={stop}", *extra], env, fails
+        )
         assert max(losses(records)) == (9 if fails else stop)
         outputs.append(records)
     check_straggler_named(leg(outputs[1]), tmp_path / "run")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TEST_MODEL, s3_client, torchrun_cmd
+from helpers import TEST_MODEL, read_records, s3_client, torchrun_cmd
 
 import rayllm
 import rayllm.checkpoint.hf
@@ -29,11 +29,6 @@ PROMPTS = ["def ", "import "]
 
 def torchrun(nproc: int, overrides: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(torchrun_cmd(nproc, overrides), capture_output=True, text=True, timeout=timeout)
-
-
-def train_losses(run_dir) -> dict[int, float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if r["kind"] == "train"}
 
 
 def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -212,7 +207,7 @@ def test_training_continues_from_an_imported_folder(model, exported, corpus, tmp
         assert config.model.dim == 64 and config.data.tokenizer == str(exported / "tokenizer.json")
         proc = torchrun(ranks, overrides)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return train_losses(run_dir)
+        return {r["step"]: r["loss"] for r in read_records(run_dir, "train")}
 
     # A small lr: the model is near its optimum here, and fresh Adam moments at 1e-3 overshoot.
     losses = continued("continued", "1e-4", 2)  # two FSDP ranks: the folder's weights are sharded as they load

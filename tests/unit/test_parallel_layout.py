@@ -1,0 +1,66 @@
+"""Parallel layouts without processes: the auto degrees for a world and its nodes, the world sizes an
+elastic run may take, and the layouts refused before any worker starts (trained under torchrun in
+tests/integration/test_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _config(*overrides: str):
+    from rayllm.config import TrainConfig
+
+    return TrainConfig.from_dict({}, overrides=list(overrides))
+
+
+def test_auto_degrees_follow_the_world_and_its_nodes():
+    from rayllm.parallel.layout import Layout, resolve_layout
+
+    p = _config().parallel
+    assert resolve_layout(p, 4) == Layout(1, 4, 1)  # CPU: FSDP over everything
+    assert resolve_layout(p, 16, ranks_per_node=8, use_gpu=True) == Layout(2, 8, 1)  # HSDP: shard in a node
+    assert resolve_layout(p, 8, ranks_per_node=8, use_gpu=True) == Layout(1, 8, 1)
+    tp = _config("parallel.tp=auto").parallel
+    assert resolve_layout(tp, 64, ranks_per_node=8, n_params=70e9, use_gpu=True) == Layout(8, 1, 8)
+    assert resolve_layout(tp, 64, ranks_per_node=8, n_params=8e9, use_gpu=True) == Layout(8, 8, 1)
+    fixed = _config(
+        "parallel.dp_shard=2", "parallel.tp=2", "cluster.num_workers=8", "train.micro_batch_size=4"
+    ).parallel
+    assert resolve_layout(fixed, 8) == Layout(2, 2, 2)
+    assert Layout(2, 2, 2).data_rank(5) == 2  # ranks 4 and 5 are one TP group: slice 2 of 4
+
+
+def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
+    import ray.train
+
+    from rayllm.parallel.layout import usable_world_sizes
+    from rayllm.runtime.ray_trainer import WholeLayoutsPolicy
+
+    c = _config("parallel.tp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1")
+    usable = usable_world_sizes(c.parallel, 2, 8, 16, 1)
+    assert usable == [2, 4, 8]  # 6 ranks are 3 slices: 16 sequences do not split in 3
+    scaling = ray.train.ScalingConfig(num_workers=(2, 8), resources_per_worker={"CPU": 1})
+    policy = WholeLayoutsPolicy(scaling, usable)
+    assert policy._count_possible_workers({"a": {"CPU": 5.0}, "b": {"CPU": 2.0}}) == 4  # room for 7
+    assert policy._count_possible_workers({"a": {"CPU": 1.0}}) == 0  # below the minimum: wait
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallel.tp=3", "cluster.num_workers=3"], "parallel.tp 3 must divide model.n_heads"),
+        (["parallel.tp=2", "model.tie_embeddings=true"], "tie_embeddings is not supported"),
+        (["parallel.dp_shard=3", "cluster.num_workers=4"], "does not lay out 4 ranks"),
+        (["parallel.tp=0"], "parallel.tp must be a whole number >= 1 or auto"),
+        (["parallel.tp=2", "train.compile=true"], "train.compile: true with parallel.tp > 1 is not supported"),
+        (
+            ["parallel.tp=2", "cluster.num_workers=4", "train.global_batch_size=6", "train.micro_batch_size=2"],
+            "data-parallel ranks",
+        ),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused_before_any_worker_starts(overrides, message):
+    from rayllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _config(*overrides)
