@@ -16,7 +16,6 @@ No Ray anywhere in the imports: the GPU machine needs torch and rayllm's own mod
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import math
@@ -27,10 +26,8 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.parallel import loss_parallel
 
 from rayllm.bench.common import StepSession, cpu_name, flash_attention_fits, synthetic_rows, timed_steps
 from rayllm.config import TrainConfig
@@ -41,7 +38,7 @@ from rayllm.loop.trainer import Trainer, build_optimizer, model_args
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel import gpus
 from rayllm.parallel.apply import compute_dtype, should_compile
-from rayllm.parallel.fsdp import accumulate, apply_fsdp
+from rayllm.parallel.fsdp import apply_fsdp
 from rayllm.parallel.init import materialize
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.mesh import build_mesh, tp_mesh
@@ -193,27 +190,6 @@ def bench_step(config: TrainConfig, rank: int, world: int, device: torch.device,
     return result
 
 
-def _smoke_step(model, optimizer, batch: torch.Tensor, micro: int, tp: bool) -> tuple[float, float]:
-    """The Trainer's step, for a model built here: TP's logits are vocabulary-split DTensors."""
-    micro_batches = batch.split(micro)
-    total = torch.zeros((), device=batch.device)
-
-    def backward(rows: torch.Tensor) -> None:
-        nonlocal total
-        with loss_parallel() if tp else contextlib.nullcontext():
-            loss = model(rows[:, :-1], rows[:, 1:]) / len(micro_batches)
-            loss.backward()
-        loss = loss.detach()
-        total += loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-
-    accumulate(model, micro_batches, backward)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total.item(), float(norm)
-
-
 def _smoke_one_rank(config: TrainConfig, kind: str, device: torch.device) -> tuple[list[float], str]:
     """Each code path on a 1-rank mesh (parallelize skips them all when every degree is 1)."""
     tp = kind.startswith("tp")
@@ -228,11 +204,12 @@ def _smoke_one_rank(config: TrainConfig, kind: str, device: torch.device) -> tup
     fsdp_mesh = mesh["dp_replicate", "dp_shard"] if kind == "hsdp" else mesh["dp_shard"]
     apply_fsdp(model, fsdp_mesh, dtype=dtype, cpu_offload=False)
     materialize(model, device, config.train.seed)
-    optimizer = build_optimizer(model, config, device)
+    # The product's own step on this model: the Trainer as one rank builds it, then the model and
+    # its optimizer swapped for the ones with every code path applied (its loss follows the model).
+    trainer = Trainer(config, StepSession(0, 1, device))
+    trainer.model, trainer.optimizer = model, build_optimizer(model, config, device)
     rows = synthetic_rows(config, config.train.global_batch_size)
-    batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(device, dtype=torch.long)
-    losses = [_smoke_step(model, optimizer, batch, config.train.micro_batch_size, tp)[0] for _ in range(SMOKE_STEPS)]
-    return losses, SMOKE_PATHS[kind]
+    return [trainer.train_step(rows)[0] for _ in range(SMOKE_STEPS)], SMOKE_PATHS[kind]
 
 
 def _smoke_layout(config: TrainConfig, rank: int, world: int, device: torch.device) -> tuple[list[float], str]:

@@ -186,7 +186,7 @@ class Trainer:
 
         def backward(rows_i: torch.Tensor) -> None:
             nonlocal total
-            with loss_context(self.layout.tp):
+            with loss_context(self.model):
                 loss = self.model(rows_i[:, :-1], rows_i[:, 1:]) / len(micro)  # mean cross-entropy, (B, T) each
                 if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
                     loss = loss * faults.loss_scale(self.step + 1)

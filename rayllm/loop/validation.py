@@ -64,7 +64,7 @@ class Validator:
         for rows in self._rows:
             batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
             for rows_i in batch.split(t.micro_batch_size):
-                with loss_context(self.layout.tp):
+                with loss_context(model):
                     total += plain(model(rows_i[:, :-1], rows_i[:, 1:])).item() * len(rows_i)
                 count += len(rows_i)
         model.train()

@@ -59,6 +59,13 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
         )
 
 
-def loss_context(tp: int) -> contextlib.AbstractContextManager:
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``apply_tp`` split this model: its head's weight lives on a mesh with a "tp" axis
+    (alone, or beside FSDP's data-parallel axes)."""
+    mesh = getattr(model.output.weight, "device_mesh", None)
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager:
     """Around forward and backward: cross-entropy over vocabulary-split logits (TP only)."""
-    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+    return loss_parallel() if is_tensor_parallel(model) else contextlib.nullcontext()
