@@ -262,6 +262,7 @@ def scenario_init_from(overrides, root):
 
     import rayllm
     from rayllm.checkpoint.hf import save_hf
+    from rayllm.config.resolve import resolve
     from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
     from rayllm.loop.trainer import model_args
@@ -277,7 +278,7 @@ def scenario_init_from(overrides, root):
         model.output.weight.mul_(50.0)
     save_hf(model, tokenizer, folder, None, None)
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*run, f"model.init_from={folder}"])
-    rows, _ = next(local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size))
+    rows, _ = next(local_stream(prepare_data(resolve(config)).train, global_batch=config.train.global_batch_size))
     thread, box = run_in_thread(config)
     moved = wait_for(lambda: os.path.exists(f"{run_dir}/init_from/rayllm_import.json"), timeout=120)
     if moved:

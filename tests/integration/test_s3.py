@@ -69,9 +69,10 @@ def test_init_from_a_folder_on_s3_gives_its_loss_at_the_first_step(s3_server, bu
     """model.init_from=s3://...: the folder is read from object storage once (torchrun's rank 0
     converts it into the run dir), and two FSDP ranks start from exactly its weights."""
     import torch
-    from test_torchrun import losses, torchrun
+    from helpers import losses, torchrun_records
 
     from rayllm.checkpoint.hf import save_hf
+    from rayllm.config.resolve import resolve
     from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
     from rayllm.loop.trainer import model_args
@@ -93,12 +94,12 @@ def test_init_from_a_folder_on_s3_gives_its_loss_at_the_first_step(s3_server, bu
     for path in (tmp_path / "hf").iterdir():
         bucket.upload_file(str(path), "rayllm-test", f"models/seed7/{path.name}")
     run = [o for o in run if not o.startswith("data.tokenizer=")] + ["model.init_from=s3://rayllm-test/models/seed7"]
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=run)
+    config = resolve(TrainConfig.from_yaml("configs/tiny.yaml", overrides=run))  # as the driver does
     rows, _ = next(local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size))
     assert config.data.tokenizer == "s3://rayllm-test/models/seed7/tokenizer.json"
     with torch.no_grad():
         tokens = torch.from_numpy(rows["tokens"]).long()
         expected = model(tokens[:, :-1], tokens[:, 1:]).item()
-    first = losses(torchrun(2, run))[1]
+    first = losses(torchrun_records(2, run))[1]
     assert abs(first - expected) / expected <= 1e-4, (first, expected)
     assert expected > 10  # not a fresh start's ln(1024) = 6.9
