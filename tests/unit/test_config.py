@@ -91,6 +91,7 @@ def test_unsealed_credentials_refuse_to_travel_while_ray_runs(monkeypatch):
     from rayllm.io import credentials
 
     storage = TrainConfig.from_dict({}, overrides=["storage.secret=hunter2"]).storage
+    monkeypatch.setattr(credentials, "ray_running_here", lambda: False)  # a Ray of an earlier test may run
     assert b"hunter2" in pickle.dumps(storage)  # without Ray (torchrun, spawn): passed as is
     monkeypatch.setattr(credentials, "ray_running_here", lambda: True)
     with pytest.raises(RuntimeError, match="sealed"):
