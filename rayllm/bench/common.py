@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rayllm.config import TrainConfig
 from rayllm.data.source import RECORD_DTYPE_FIELDS
-from rayllm.parallel.process_group import init_group, local_device
+from rayllm.parallel.process_group import local_device
 
 
 def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:
@@ -26,11 +26,6 @@ def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def bench_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
-    """Collective: the bench's ranks meet on 127.0.0.1:port (after ``bench_device``)."""
-    init_group(device, rank=rank, world_size=world_size, port=port)
 
 
 def synthetic_rows(config: TrainConfig, n: int, seed: int = 0) -> np.ndarray:

@@ -39,7 +39,6 @@ import torch.multiprocessing as mp
 
 from rayllm.bench.common import (
     bench_device,
-    bench_group,
     bench_trainer,
     cpu_name,
     flash_attention_fits,
@@ -61,7 +60,7 @@ from rayllm.hardware import (
 )
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel.apply import compute_dtype, should_compile
-from rayllm.parallel.process_group import free_port
+from rayllm.parallel.process_group import free_port, init_group
 
 MEMORY_VARIANTS = {
     "plain": [],
@@ -118,7 +117,7 @@ def step_comparison(config: TrainConfig, rounds: int, steps: int) -> dict[str, A
     device = bench_device(config)
     if device.type == "cpu":
         keep_freed_memory()  # the Trainer does this too; set before either side allocates
-    bench_group(bench_device(config), 0, 1, free_port())
+    init_group(bench_device(config), rank=0, world_size=1)
     try:
         dtype = compute_dtype(config.train.precision, device)
         peak = matmul_peak_flops(device, dtype, seconds=1.0)
@@ -170,7 +169,7 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
     if threads:
         torch.set_num_threads(threads)
     device = bench_device(config, rank)
-    bench_group(device, rank, world_size, port)
+    init_group(device, rank=rank, world_size=world_size, port=port)
     try:
         _warm_up(config, rank, world_size, device)
         before = resident_bytes()

@@ -80,8 +80,11 @@ class Checkpointer:
     ):
         self.config, self.session, self.device = config, session, device
         self.tokenizer_json = tokenizer_json  # the run's, written beside every stored checkpoint
-        distributed = dist.is_initialized() and session.world_size > 1
-        self.loop_group, self.group = [dist.new_group(backend="gloo") for _ in range(2)] if distributed else [None] * 2
+        # Made whenever a process group exists, even of one rank: the async writer's collectives
+        # must never run on the default group (NCCL on a GPU) beside the training loop's.
+        groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
+        self.loop_group, self.group = groups
+        self._collective = dist.is_initialized() and session.world_size > 1  # else nothing to agree with
         self.before_commit = before_commit  # (step, rank, world): the tests' crash between write and commit
         self.store = checkpoint.CheckpointStore(config.run.dir, config.storage)
         self.pending: PendingCheckpoint | None = None
@@ -104,7 +107,7 @@ class Checkpointer:
         due = bool(every_s) and time.monotonic() - self.last_at >= every_s and self.session.rank == 0
         preempt = self.session.rank + 1 if preempted else 0
         flags = torch.tensor([self.writing(), stop_requested, due, preempt], dtype=torch.int32)
-        if self.loop_group is not None:
+        if self._collective:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.loop_group)
         writing, stop, due, preempt = flags.tolist()
         return StepAgreement(bool(writing), bool(stop), bool(due), preempt - 1 if preempt else None)
@@ -128,7 +131,7 @@ class Checkpointer:
                 if memory.whole(self.memory.uri(step)):
                     choice[0] = self.memory.uri(step)
                     break
-        if self.group is not None:
+        if self._collective:
             dist.broadcast_object_list(choice, src=0, group=self.group)
         return choice[0]
 
@@ -211,7 +214,7 @@ class Checkpointer:
             self.memory.write_state(step, ckpt.state, None)
         _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
         _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
-        if self.loop_group is not None:
+        if self._collective:
             dist.barrier(group=self.loop_group)  # every rank's part is held
         if rank == 0:
             self.memory.mark_complete(step, world)
@@ -246,7 +249,7 @@ class Checkpointer:
             self.store.write_state(ckpt.step, ckpt.state, self.tokenizer_json)
         self.before_commit(ckpt.step, rank, world)
         _write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
-        if self.group is not None:
+        if self._collective:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
             self.store.mark_complete(ckpt.step, world)

@@ -16,13 +16,11 @@ from rayllm.config.sections import (
 )
 from rayllm.config.train import TrainConfig
 from rayllm.config.tree import build_config, read_yaml_mapping
-from rayllm.io.credentials import SECRET_FIELDS as SECRET_KEYS
 
 __all__ = [
     "HF_SHAPE_KEYS",
     "RANGES",
     "RootConfig",
-    "SECRET_KEYS",
     "ClusterSettings",
     "DataSettings",
     "ModelSettings",

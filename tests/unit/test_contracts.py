@@ -111,3 +111,24 @@ def test_every_session_adapter_provides_the_whole_protocol(adapter):
             "emit",
         }
     assert not missing, f"{name} lacks {sorted(missing)}"
+
+
+def test_the_checkpointer_writes_on_gloo_groups_of_its_own_even_on_one_rank(tmp_path):
+    """On a GPU the default group is NCCL: the async writer's background collectives must never use it."""
+    import torch
+    import torch.distributed as dist
+
+    from rayllm.bench.common import StepSession
+    from rayllm.checkpoint.checkpointer import Checkpointer
+    from rayllm.parallel.process_group import init_group
+
+    init_group(torch.device("cpu"), rank=0, world_size=1)
+    try:
+        config = TrainConfig.from_dict({}, overrides=[f"run.dir={tmp_path}"])
+        checkpointer = Checkpointer(config, StepSession(0, 1, torch.device("cpu")), torch.device("cpu"), None)
+        for group in (checkpointer.group, checkpointer.loop_group):
+            assert group is not None and group != dist.group.WORLD and dist.get_backend(group) == "gloo"
+        assert checkpointer.group != checkpointer.loop_group
+        checkpointer.close()
+    finally:
+        dist.destroy_process_group()
