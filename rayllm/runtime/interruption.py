@@ -11,8 +11,8 @@ training worker first runs there) polls the notice with a deadline per request a
 while the service does not answer. On a notice it logs one line naming the node and the notice
 and asks Ray to drain the node for preemption, with the notice's deadline. Ray Train's own
 preemption watcher then tells the workers (``RaySession.preempted``), which checkpoint at the
-next step and stop, the path SIGTERM takes; the drained node gets no new work, so the restart
-lands elsewhere, and Ray Train charges it to its preemption budget, not to ``max_failures``.
+next step and stop, the path SIGTERM takes (a restart, counted in ``cluster.max_failures`` as a
+SIGTERM's is); the drained node gets no new work, so the restart lands elsewhere.
 
 Which notice a node watches is the node's own setting (``RAYLLM_INTERRUPTION_NOTICE``, set by
 the cluster configs for their spot nodes), unless ``cluster.interruption_notice`` names one for
@@ -212,7 +212,7 @@ class Watcher:
         for source in self.sources:
             try:
                 notice = source.poll()
-            except (OSError, ValueError) as e:  # URLError, timeouts, 5xx, a garbled answer
+            except Exception as e:  # URLError, a timeout, 5xx, a garbled answer: the source's failure, not the run's
                 self._failed(source, e)
                 continue
             if self._failures.pop(source.where, 0) >= NAME_AFTER_FAILURES:
@@ -257,11 +257,8 @@ class NodeInterruptionWatcher:
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="interruption-watcher", daemon=True).start()
 
-    def noticed(self) -> Notice | None:
-        return self._watcher.noticed
-
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._drained:  # once drained, the node is going
             self._watcher.check()
             notice = self._watcher.noticed
             if notice is not None and not self._drained:
