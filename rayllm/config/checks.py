@@ -78,6 +78,7 @@ def _number(x: float | None) -> str:
 
 
 _COUNT, _SECONDS = Range(1), Range(0, low_open=True)
+INTERRUPTION_NOTICES = ("aws", "gcp", "file", "off")  # runtime/interruption.py's KINDS
 _COUNT_OR_NULL, _SECONDS_OR_NULL = Range(1, null=True), Range(0, low_open=True, null=True)
 
 # Every number in the tree: its range, and the fix a message gives with it. A key added to the
@@ -280,6 +281,17 @@ def check_cluster(c: ClusterSettings) -> None:
         if not Range(0).holds(amount):
             raise ConfigError(f"{key} must be a finite number >= 0, got {amount!r}; for example 1")
     _text("cluster.address", c.address, "give a Ray address such as ray://head:10001, or null", null=True)
+    if c.interruption_notice not in (None, *INTERRUPTION_NOTICES):
+        raise ConfigError(
+            f"cluster.interruption_notice must be one of {', '.join(INTERRUPTION_NOTICES)} or null (each node's "
+            f"RAYLLM_INTERRUPTION_NOTICE), got {c.interruption_notice!r}; for example aws on EC2 spot nodes"
+        )
+    endpoint = c.interruption_endpoint
+    if endpoint is not None and not re.fullmatch(r"https?://[^\s/]+/?\S*", str(endpoint)):
+        raise ConfigError(
+            f"cluster.interruption_endpoint must be an http:// URL or null (the cloud's own), got "
+            f"{redact_url(str(endpoint))!r}; for example http://169.254.169.254"
+        )
 
 
 def check_parallel(

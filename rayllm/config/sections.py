@@ -171,6 +171,12 @@ class ClusterSettings:
     resource_wait_s: float = 300.0
     # Ray address; unset means RAY_ADDRESS when set, else a local Ray on 127.0.0.1.
     address: str | None = None
+    # Which interruption notice each training node watches (runtime/interruption.py): aws, gcp,
+    # file (a preStop hook's), or off; null: each node's RAYLLM_INTERRUPTION_NOTICE (the cluster
+    # configs set it on their spot nodes), none where unset.
+    interruption_notice: str | None = None
+    # The metadata service's address (null: the cloud's own); a node's RAYLLM_METADATA_ENDPOINT wins.
+    interruption_endpoint: str | None = None
 
 
 @dataclass

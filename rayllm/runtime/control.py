@@ -3,7 +3,8 @@
 It holds what must outlive a worker group: the stop flag the driver sets on SIGTERM/SIGINT
 (rank 0 reads it between steps), the attempt count, the nodes' data relays (data/stream/relay.py;
 owned here, not by the stream server, so a dead server does not take them along and a lost
-relay is told apart from a lost server), and the failures seen so far, so that an
+relay is told apart from a lost server), each training node's interruption watcher
+(interruption.py), and the failures seen so far, so that an
 error that repeats at the same step on a fresh attempt is recognised as deterministic and ends
 the run with its message instead of being retried up to ``cluster.max_failures`` (for ever
 with -1).
@@ -14,6 +15,8 @@ from __future__ import annotations
 import uuid
 
 from rayllm.data.stream.relay import node_relay
+from rayllm.ray_cluster import pinned_actor
+from rayllm.runtime.interruption import NodeInterruptionWatcher, WatchSettings
 
 
 def failure_signature(error: BaseException) -> str:
@@ -32,6 +35,7 @@ class RunControl:
         self._relays: dict[str, object] = {}  # node id -> its data relay
         self._run = uuid.uuid4().hex[:12]  # names this run's relays
         self._peak_flops: dict[int, float] = {}  # world size -> every rank's matmul peak, summed
+        self._watchers: dict[str, object] = {}  # node id -> its interruption watcher
 
     def peak_flops(self, world_size: int) -> float | None:
         return self._peak_flops.get(world_size)
@@ -44,6 +48,12 @@ class RunControl:
         if node not in self._relays:
             self._relays[node] = node_relay(server, f"rayllm-{self._run}", node)
         return self._relays[node]
+
+    def watch_node(self, node: str, settings: WatchSettings) -> None:
+        """Start ``node``'s interruption watcher on the first ask (a training worker's, at each
+        attempt); it lives as long as the run, or its node."""
+        if node not in self._watchers:
+            self._watchers[node] = pinned_actor(NodeInterruptionWatcher, node).remote(settings)
 
     def request_stop(self) -> None:
         self._stop = True

@@ -19,6 +19,7 @@ from rayllm.data.stream.relay import served_batches, slices_per_object
 from rayllm.errors import RayllmError
 from rayllm.loop.trainer import Trainer
 from rayllm.runtime.control import failure_signature
+from rayllm.runtime.interruption import node_settings
 from rayllm.runtime.signals import WORKER
 
 
@@ -47,6 +48,7 @@ class RaySession:
         # The driver's registry of in-memory checkpoint keepers (checkpoint/memory.py), if any.
         self.memory_root = memory_uri(keepers, "run") if keepers else None
         self._preemption_context = _preemption_context()
+        self._watch_node(ray.get_runtime_context().get_node_id())
         # Wall-clock times of this attempt's start-up, for ``rayllm bench recovery``'s breakdown.
         self.phases = {"process": _process_started(), "loop": time.time()}
         self.stream_kept: bool | None = None  # whether this attempt's data came from the running stream
@@ -147,7 +149,16 @@ class RaySession:
         if WORKER.requested.is_set():
             return True
         preemption = self._preemption_context
-        return preemption is not None and preemption.preemption_info is not None
+        info = preemption.preemption_info if preemption is not None else None
+        return info is not None and self.rank in info.preempted_ranks
+
+    def _watch_node(self, node: str) -> None:
+        """This node's interruption watcher (interruption.py), when the config or the node names a
+        notice to watch: the control actor starts it on the first ask, and keeps it."""
+        c = self.config.cluster
+        settings = node_settings(c.interruption_notice, c.interruption_endpoint)
+        if settings is not None and self._control is not None:
+            self._control.watch_node.remote(node, settings)
 
     def emit(self, event: events.RunEvent) -> None:
         """Progress to the driver; never worth stopping training over (the driver may be gone). It

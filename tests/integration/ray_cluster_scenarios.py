@@ -11,6 +11,7 @@ and removing a node removes a worker.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -291,6 +292,107 @@ def scenario_init_from(overrides, root):
     return summary(run_dir, box, moved=moved, expected_first_loss=expected)
 
 
+def with_env(env: dict[str, str]) -> dict:
+    return {"env_vars": env} if env else {}
+
+
+class Metadata:
+    """A metadata service posing as EC2's IMDSv2 for each node: ``/<node>/latest/...`` on one
+    HTTP server on 127.0.0.1; ``notices[node]`` is what that node's spot instance-action says
+    (404 while absent)."""
+
+    def __init__(self, port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        notices = self.notices = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, code: int, body: str = "") -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def do_PUT(self) -> None:
+                self._answer(200, "token") if self.path.endswith("/latest/api/token") else self._answer(404)
+
+            def do_GET(self) -> None:
+                node, _, path = self.path.lstrip("/").partition("/")
+                notice = notices.get(node) if path == "latest/meta-data/spot/instance-action" else None
+                self._answer(200, json.dumps(notice)) if notice else self._answer(404)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def scenario_notice(overrides, root, cluster, nodes, metadata_port):
+    """A spot interruption notice for the first worker node, served by its metadata service
+    while every rank holds before step NOTICE_AT: once its watcher has drained the node (and Ray
+    Train has had time to tell the workers), the hold ends; the run must checkpoint at that step,
+    restart on the other node and a replacement (added with the notice, as an autoscaler would)
+    and finish. The noticed node is taken once the restart has begun elsewhere."""
+    from rayllm.data.discover import prepare_data
+    from rayllm.data.order import local_stream
+    from rayllm.data.source import ID_FIELDS
+
+    metadata = Metadata(metadata_port)
+    run_dir, hold = f"{root}/notice", f"{root}/notice-hold"
+    open(hold, "w").close()
+    env = {"RAYLLM_FAULT_PAUSE_AT": f"{NOTICE_AT}:{hold}", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
+    os.environ.update(env)
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+    noticed = nodes[0].node_id
+    served_at, drained = None, False
+    try:
+        thread, box = run_in_thread(config)
+        if wait_for(lambda: trained_past(run_dir, NOTICE_AT - 1, world_size=2)):
+            nodes.append(cluster.add_node(**WORKER_NODE, env_vars=node_env(metadata_port, "n2")))
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+            metadata.notices["n0"] = {"action": "terminate", "time": when}
+            served_at = last_step(run_dir)
+            drained = wait_for(lambda: noticed in ray._private.state.state.get_draining_nodes(), timeout=60)
+            time.sleep(5)  # Ray Train's preemption watcher polls every 0.5 s here
+    finally:
+        os.remove(hold)
+        for name in env:
+            del os.environ[name]
+    if wait_for(lambda: len(starts(run_dir)) > 1):
+        cluster.remove_node(nodes.pop(0), allow_graceful=False)  # the cloud takes the node
+    thread.join()
+    metadata.server.shutdown()
+    # The uninterrupted order, computed in this process: the first max_steps global batches.
+    stream = local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size)
+    expected = []
+    for rows, _state in itertools.islice(stream, config.train.max_steps):
+        expected.extend([int(v) for v in row] for row in rows[list(ID_FIELDS)])
+    recs = read_records(run_dir)
+    return summary(
+        run_dir,
+        box,
+        noticed_node=noticed[:8],
+        served_at=served_at,
+        drained=drained,
+        nodes=[r.get("nodes") for r in starts(run_dir)],
+        resumed_from=[r.get("resumed_from") for r in starts(run_dir)],
+        preempted=[r for r in recs if r["kind"] == "preempted"],
+        failures=[r["message"] for r in recs if r["kind"] == "failure" and r.get("message")],
+        expected_ids=sorted(expected),
+    )
+
+
+NOTICE_AT = 6  # the step before which the notice run holds until its notice has landed
+
+
+def node_env(metadata_port: int | None, name: str) -> dict[str, str]:
+    """A worker node's environment: for the notice scenario, its own metadata service."""
+    if metadata_port is None:
+        return {}
+    return {"RAYLLM_INTERRUPTION_NOTICE": "aws", "RAYLLM_METADATA_ENDPOINT": f"http://127.0.0.1:{metadata_port}/{name}"}
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     # A SIGTERM (the test's timeout) ends this script through its finally: the cluster shut down.
@@ -299,14 +401,15 @@ def main() -> None:
     # and Ray Train's controller needs this cluster's dashboard (state API).
     head = {"num_cpus": 2, "dashboard_host": "127.0.0.1", "dashboard_port": args["dashboard_port"]}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [cluster.add_node(**WORKER_NODE) for _ in range(2)]
+    port = args.get("metadata_port")
+    nodes = [cluster.add_node(**WORKER_NODE, **with_env(node_env(port, f"n{i}"))) for i in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING")
     out = {}
     try:
         for name in args["scenarios"]:
             fn = globals()[f"scenario_{name}"]
-            extra = {"chaos": (cluster, nodes)}.get(name, ())
+            extra = {"chaos": (cluster, nodes), "notice": (cluster, nodes, port)}.get(name, ())
             started = time.time()
             out[name] = fn(args["overrides"], args["root"], *extra)
             out[name]["seconds"] = time.time() - started

@@ -176,3 +176,65 @@ def test_spot_first_launches_spot_and_falls_back_to_on_demand_when_spot_launches
     assert launch(["h100_spot"], eight_h100_workers) == {"h100_ondemand": 1}
     # Data tasks that need no GPU never start a GPU node, spot or not.
     assert all(not types[t]["resources"].get("GPU") for t in launch([], [{"CPU": 1}]))
+
+
+# --- the interruption notice reaches the run (rayllm/runtime/interruption.py) ---------------------
+
+NOTICE_SCRIPT = "cluster/notice-on-stop.sh"
+# A checkpoint of 8B (model + AdamW state: ~12 bytes per parameter, ~96 GB) at ~1 GB/s from one
+# node: the least time a leaving worker pod must be given.
+CHECKPOINT_S = 12 * PUBLISHED["llama-8b.yaml"][0] / 1e9
+
+
+@pytest.mark.parametrize("name,spec", _ray_cluster_specs(), ids=lambda x: x if isinstance(x, str) else "")
+def test_kuberay_worker_pods_deliver_the_notice_and_wait_for_the_checkpoint(name, spec):
+    assert "COPY --chown=ray:users . /home/ray/rayllm" in (REPO / "cluster" / "Dockerfile").read_text()
+    for group in spec["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["RAYLLM_INTERRUPTION_NOTICE"] == "file", group["groupName"]
+        # Kubernetes' default 30 s grace is shorter than a checkpoint; the hook's wait fits inside.
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace >= 2 * CHECKPOINT_S and int(env["RAYLLM_STOP_WAIT_S"]) < grace, (group["groupName"], grace)
+        script, *_ = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert script == f"/home/ray/rayllm/{NOTICE_SCRIPT}"  # the image holds the repo there
+    assert (REPO / NOTICE_SCRIPT).stat().st_mode & 0o111  # executable
+
+
+@pytest.mark.parametrize("path", LAUNCHER_CONFIGS, ids=lambda p: p.name)
+def test_launcher_worker_nodes_watch_their_clouds_notice_and_stop_only_after_the_checkpoint(path):
+    raw = _load(path)
+    cloud = raw["provider"]["type"]
+    start = raw["worker_start_ray_commands"]
+    assert f"RAYLLM_INTERRUPTION_NOTICE={cloud} " in start[-1]
+    # A notice file from this instance's last stop (a restarted container) is no notice now.
+    assert any(c.startswith("rm -f /tmp/rayllm/interruption-notice") for c in start[:-1])
+    # The instance's shutdown runs the notice script inside the container, before docker stops it.
+    (unit,) = [c for c in raw["initialization_commands"] if "rayllm-notice-on-stop.service" in c]
+    assert "After=docker.service" in unit and "systemctl enable --now rayllm-notice-on-stop.service" in unit
+    stop = re.search(r"ExecStop=/usr/bin/docker exec (\S+) (\S+)", unit)
+    assert stop.group(1) == raw["docker"]["container_name"]
+    assert stop.group(2) == f"/home/ray/rayllm/{NOTICE_SCRIPT}" and raw["file_mounts"]["~/rayllm"] == "."
+    assert int(re.search(r"TimeoutStopSec=(\d+)", unit).group(1)) >= 2 * CHECKPOINT_S
+
+
+def test_the_notice_script_writes_what_the_watcher_reads_and_waits_for_the_training_workers(tmp_path):
+    import os
+    import subprocess
+
+    from rayllm.runtime.interruption import Watcher, WatchSettings
+
+    notice = tmp_path / "rayllm" / "interruption-notice"
+    env = {**os.environ, "RAYLLM_INTERRUPTION_FILE": str(notice), "RAYLLM_STOP_WAIT_S": "3"}
+    # A stand-in training worker: its command line names RayTrainWorker, as Ray's process title does.
+    worker = subprocess.Popen(["bash", "-c", "exec -a ray::RayTrainWorker.run_train_fn sleep 1"])
+    started = time.monotonic()
+    subprocess.run([REPO / NOTICE_SCRIPT, "the pod is being deleted"], env=env, check=True, timeout=30)
+    waited = time.monotonic() - started
+    worker.wait(timeout=5)
+    assert 0.9 <= waited < 6, waited  # until the worker left (other Ray runs here: at most the 3 s cap)
+    lines: list[str] = []
+    seen = Watcher("node", WatchSettings(kind="file", file=str(notice)), log=lines.append).check()
+    assert seen is not None and seen.detail.startswith("the pod is being deleted (")
+    assert "interruption notice, notice file" in lines[0]
