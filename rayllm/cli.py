@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_recovery.add_argument(
         "--memory-every", type=int, default=1, help="the in-memory run's train.memory_checkpoint_every (0: skip it)"
     )
+    bench_goodput = bench_sub.add_parser(
+        "goodput", help="effective training time with a fault every N seconds, against the undisturbed run"
+    )
+    bench_goodput.add_argument("config", nargs="?", default="configs/tiny.yaml", help="config to train")
+    bench_goodput.add_argument("overrides", nargs="*", help="dotted overrides, for example train.max_steps=1200")
+    bench_goodput.add_argument("--every", type=float, default=120.0, help="seconds between faults")
+    bench_goodput.add_argument("--seed", type=int, default=0, help="seed of the fault mix")
+    bench_goodput.add_argument("--faults", help="comma-separated kinds to draw from (default: the whole mix)")
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
     bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
@@ -219,6 +227,18 @@ def _bench_recovery(config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_goodput(config, args: argparse.Namespace) -> int:
+    import tempfile
+
+    from rayllm.bench import goodput
+
+    options = goodput.Options(every_s=args.every, seed=args.seed, faults=goodput.parse_faults(args.faults))
+    root = config.run.dir if any(o.startswith("run.dir=") for o in args.overrides) else None
+    root = root or tempfile.mkdtemp(prefix="rayllm-bench-goodput-")  # never resume a real run
+    print(goodput.format_report(goodput.run(config, root, options), options))
+    return 0
+
+
 def _bench_speed(config, args: argparse.Namespace) -> int:
     from rayllm.bench import speed as bench_speed
 
@@ -343,7 +363,7 @@ WITHOUT_CONFIG = {
     "bench serve": _bench_serve,
     "bench gpu": _bench_gpu,
 }
-RESOLVED_BY_TRAIN = {"train", "bench recovery"}  # they call rayllm.train, which resolves the config
+RESOLVED_BY_TRAIN = {"train", "bench recovery", "bench goodput"}  # they call rayllm.train, which resolves the config
 WITH_CONFIG = {
     "train": _train,
     "config": _show_config,
@@ -351,6 +371,7 @@ WITH_CONFIG = {
     "tokenizer": _train_tokenizer,
     "bench checkpoint": _bench_checkpoint,
     "bench recovery": _bench_recovery,
+    "bench goodput": _bench_goodput,
     "bench speed": _bench_speed,
     "bench memory": _bench_memory,
     "bench tokenize": _bench_tokenize,

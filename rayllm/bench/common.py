@@ -4,8 +4,11 @@ timed steps of the product's own ``Trainer``."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import types
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +18,18 @@ import torch.nn.functional as F
 from rayllm.config import TrainConfig
 from rayllm.data.source import RECORD_DTYPE_FIELDS
 from rayllm.parallel.process_group import local_device
+
+
+def read_records(run_dir: str, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records in order (stamped by the driver as they arrive), only those of
+    ``kind`` if given; a last line still being written is left for the next read."""
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return []
+    records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    return records if kind is None else [r for r in records if r.get("kind") == kind]
 
 
 def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import signal
 import threading
 import time
 from typing import Any
 
+from rayllm.bench.common import read_records
 from rayllm.config import TrainConfig
 from rayllm.errors import RayllmError
 
@@ -55,16 +55,8 @@ class Result:
         return self.killed_after_step - self.resumed_from_step
 
 
-def _records(run_dir: str) -> list[dict[str, Any]]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _latest_step(run_dir: str) -> int:
-    steps = [r["step"] for r in _records(run_dir) if r["kind"] == "train"]
+    steps = [r["step"] for r in read_records(run_dir) if r["kind"] == "train"]
     return max(steps, default=0)
 
 
@@ -121,7 +113,7 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
         raise RayllmError(f"the benchmark run failed: {box['error']}")
     if killed_at is None or "result" not in box:
         raise RayllmError("the benchmark run ended before a worker could be killed; raise train.max_steps")
-    records = _records(run_dir)
+    records = read_records(run_dir)
     before = [r for r in records if r["time"] < killed_at]
     after = [r for r in records if r["time"] >= killed_at]
     killed_step = max(r["step"] for r in before if r["kind"] == "train")
