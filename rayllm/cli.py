@@ -165,7 +165,7 @@ def _train(config, args: argparse.Namespace) -> int:
 
 
 def _show_config(config, args: argparse.Namespace) -> int:
-    print(config.to_yaml(), end="")
+    print(config.to_redacted_yaml(), end="")  # never a secret on a terminal or in a job log
     return 0
 
 
