@@ -81,7 +81,9 @@ def _sources(config: TrainConfig) -> list[_Source]:
     sources, names = [], set()
     for i, spec in enumerate(specs):
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
-        name = spec.name or posixpath.basename(path.rstrip("/").split("*")[0].rstrip("/")) or f"source{i}"
+        # The last part of the path, without a query (a signed URL's signature is no name).
+        bare = display_uri(path).split("?", 1)[0]
+        name = spec.name or posixpath.basename(bare.rstrip("/").split("*")[0].rstrip("/")) or f"source{i}"
         if name in names:
             name = f"{name}-{i}"
         names.add(name)
