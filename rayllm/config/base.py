@@ -54,6 +54,10 @@ class RootConfig:
         settings (``secret_paths``, StorageSettings.with_secret_paths)."""
         return _redact(self.to_dict(), section="")
 
+    def __repr__(self) -> str:
+        """Redacted: a repr lands in logs and tracebacks (subclasses are ``dataclass(repr=False)``)."""
+        return f"{type(self).__name__}({self.redacted()!r})"
+
     def to_redacted_yaml(self) -> str:
         return yaml.safe_dump(self.redacted(), sort_keys=False)
 
