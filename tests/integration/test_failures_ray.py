@@ -75,7 +75,9 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
     expected = ids_of(stream[["source", "epoch", "shard", "index"]])
     killed: list[int] = []
     watcher = kill_actor_after(str(tmp_path / "run"), 6, "StreamServer", killed)
-    result = train(config, quiet=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # Ray Train's run record, as the dashboard shows it
+        result = train(config, quiet=True)
     watcher.join(timeout=1)
     return {"result": result, "expected": expected, "killed": killed, "run_dir": tmp_path / "run", "config": config}
 
