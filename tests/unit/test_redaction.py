@@ -100,15 +100,19 @@ def served_hf_folder(tmp_path):
     server.shutdown()
 
 
-def test_rayllm_config_resolves_a_password_init_from_and_prints_it_redacted(served_hf_folder):
-    proc = _rayllm("config", "configs/tiny.yaml", f"model.init_from={served_hf_folder}", "data.seq_len=128")
-    assert proc.returncode == 0, proc.stderr
-    assert "n_layers: 2" in proc.stdout  # read from the folder's config.json, through the password URL
-    assert "init_from: http://<redacted>@127.0.0.1:" in proc.stdout
-    assert PASSWORD not in proc.stdout + proc.stderr
-    missing = _rayllm("config", "configs/tiny.yaml", f"model.init_from={served_hf_folder}-gone")
-    assert missing.returncode == 2 and "model.init_from" in missing.stderr, missing.stderr
-    assert PASSWORD not in missing.stdout + missing.stderr, missing.stderr
+def test_rayllm_config_resolves_a_password_init_from_and_prints_it_redacted(served_hf_folder, capsys):
+    """In-process (the subprocess test above covers the CLI's process; torch is loaded here already)."""
+    from rayllm.cli import main
+
+    assert main(["config", "configs/tiny.yaml", f"model.init_from={served_hf_folder}", "data.seq_len=128"]) == 0
+    shown = capsys.readouterr()
+    assert "n_layers: 2" in shown.out  # read from the folder's config.json, through the password URL
+    assert "init_from: http://<redacted>@127.0.0.1:" in shown.out
+    assert PASSWORD not in shown.out + shown.err
+    assert main(["config", "configs/tiny.yaml", f"model.init_from={served_hf_folder}-gone"]) == 2
+    missing = capsys.readouterr()
+    assert "model.init_from" in missing.err and "<redacted>@127.0.0.1" in missing.err, missing.err
+    assert PASSWORD not in missing.out + missing.err, missing.err
 
 
 def test_a_session_token_reaches_s3fs_and_is_never_shown():
