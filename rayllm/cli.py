@@ -9,6 +9,7 @@ import sys
 from rayllm.bench.speed_args import HELP as SPEED_HELP
 from rayllm.bench.speed_args import add_arguments as add_speed_arguments
 from rayllm.errors import RayllmError
+from rayllm.io.redact import display_uri
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             resolve(config)
         return WITH_CONFIG[command](config, args)
     except RayllmError as e:
-        print(f"rayllm: error: {e}", file=sys.stderr)
+        print(f"rayllm: error: {display_uri(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
@@ -173,7 +174,7 @@ def _train(config, args: argparse.Namespace) -> int:
 
 
 def _show_config(config, args: argparse.Namespace) -> int:
-    print(config.to_yaml(), end="")
+    print(config.to_redacted_yaml(), end="")  # never a secret on a terminal or in a job log
     return 0
 
 
@@ -331,7 +332,7 @@ def _use_model(args: argparse.Namespace) -> int:
                 print("---")
         return 0
     except (RayllmError, ValueError) as e:
-        print(f"rayllm: error: {e}", file=sys.stderr)
+        print(f"rayllm: error: {display_uri(str(e))}", file=sys.stderr)
         return 2
 
 
@@ -345,7 +346,7 @@ def _prepare(args: argparse.Namespace) -> int:
             print(format_report(report))
         return 0
     except RayllmError as e:
-        print(f"rayllm: error: {e}", file=sys.stderr)
+        print(f"rayllm: error: {display_uri(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(

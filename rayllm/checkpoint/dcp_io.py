@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from rayllm.errors import CheckpointError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem, is_remote, storage_options
 
@@ -109,7 +110,7 @@ def check_model_shapes(
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise CheckpointError(
-            f"checkpoint {directory} holds a model of another shape than {what} ({shown}). "
+            f"checkpoint {display_uri(directory)} holds a model of another shape than {what} ({shown}). "
             "Set the model section to the shape it was trained with, or point at a checkpoint of this model"
         )
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from rayllm.checkpoint import hf
 from rayllm.checkpoint.dcp_io import reader, writer
 from rayllm.errors import CheckpointError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import is_remote, join, read_text, write_text
 from rayllm.model import ModelArgs
@@ -52,7 +53,7 @@ def convert(folder: str, args: ModelArgs, run_dir: str, storage: StorageSettings
         part = f"part_{i:05d}"
         dcp.save({"model": state}, storage_writer=writer(join(uri, part), storage), no_dist=True)
         parts.append({"dir": part, "names": sorted(state)})
-        log(f"model.init_from: converted {os.path.basename(path)} ({len(state)} tensors)")
+        log(f"model.init_from: converted {display_uri(os.path.basename(path))} ({len(state)} tensors)")
         del state
     missing = sorted(set(expected) - seen)
     if missing:
@@ -68,7 +69,9 @@ def load(model: nn.Module, uri: str, storage: StorageSettings) -> None:
     """Collective: each rank reads its shards of every part into the (sharded) model."""
     marker = _marker(uri, storage)
     if marker is None:
-        raise CheckpointError(f"{uri} holds no complete import of model.init_from ({MARKER_FILE} is missing)")
+        raise CheckpointError(
+            f"{display_uri(uri)} holds no complete import of model.init_from ({MARKER_FILE} is missing)"
+        )
     model_state = get_model_state_dict(model)
     tied = {"output.weight": "tok_embeddings.weight"} if model.args.tie_embeddings else {}
     for part in marker["parts"]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from rayllm.data.order import DataState
 from rayllm.errors import CheckpointError
+from rayllm.io.redact import display_uri
 from rayllm.model.shape import ModelArgs
 
 
@@ -42,7 +43,9 @@ class TrainState:
     @classmethod
     def from_json(cls, raw: dict[str, Any], uri: str = "") -> TrainState:
         if "step" not in raw or "consumed" not in raw:
-            raise CheckpointError(f"checkpoint {uri} has a train state without step or consumed: not rayllm's")
+            raise CheckpointError(
+                f"checkpoint {display_uri(uri)} has a train state without step or consumed: not rayllm's"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         values["data"] = DataState.from_dict(raw.get("data"))
@@ -56,7 +59,7 @@ class TrainState:
         """The model's shape, or the error naming why a checkpoint cannot be loaded on its own."""
         if self.model is None:
             raise CheckpointError(
-                f"checkpoint {uri} does not say its model's shape (it predates rayllm 0.1's model record in "
+                f"checkpoint {display_uri(uri)} does not say its model's shape (it predates rayllm 0.1's model record in "
                 "train_state.json); resume the run for one step to write a new checkpoint"
             )
         return self.model

@@ -20,6 +20,7 @@ import time
 
 from rayllm.checkpoint.state import TrainState
 from rayllm.errors import CheckpointError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem, full_uri
 
@@ -119,7 +120,7 @@ def read_state(uri: str, storage: StorageSettings) -> TrainState:
         raw = fs.cat_file(posixpath.join(path.rstrip("/"), STATE_FILE))
     except FileNotFoundError:
         raise CheckpointError(
-            f"checkpoint {uri} has no {STATE_FILE}: it is incomplete or not a rayllm checkpoint"
+            f"checkpoint {display_uri(uri)} has no {STATE_FILE}: it is incomplete or not a rayllm checkpoint"
         ) from None
     return TrainState.from_json(json.loads(raw), uri)
 
@@ -133,7 +134,7 @@ def require_complete(uri: str, storage: StorageSettings) -> None:
     """Refuse a folder that is not a complete rayllm checkpoint, naming why."""
     if not is_complete(uri, storage):
         raise CheckpointError(
-            f"{uri} is not a complete rayllm checkpoint (no {COMMIT_FILE}): its write never finished, or "
+            f"{display_uri(uri)} is not a complete rayllm checkpoint (no {COMMIT_FILE}): its write never finished, or "
             "rayllm did not make it. Give a run dir (its latest complete checkpoint is used) or a complete checkpoint"
         )
 
@@ -142,7 +143,9 @@ def find_checkpoint(path: str, storage: StorageSettings) -> str:
     """``path`` itself when it is a complete checkpoint, else the latest complete one directly inside it."""
     fs, p = filesystem(path, storage)
     if not fs.exists(p):
-        raise CheckpointError(f"checkpoint path {path} does not exist; give a checkpoint folder or a run dir")
+        raise CheckpointError(
+            f"checkpoint path {display_uri(path)} does not exist; give a checkpoint folder or a run dir"
+        )
     p = p.rstrip("/")
     if fs.exists(posixpath.join(p, COMMIT_FILE)):
         return full_uri(fs, p)
@@ -151,7 +154,7 @@ def find_checkpoint(path: str, storage: StorageSettings) -> str:
     latest = CheckpointStore(path, storage).latest()
     if latest is None:
         raise CheckpointError(
-            f"{path} is neither a complete checkpoint nor a run dir with one in it; "
+            f"{display_uri(path)} is neither a complete checkpoint nor a run dir with one in it; "
             "give a checkpoint folder (rayllm train prints the latest one) or the run's run.dir"
         )
     return latest

@@ -11,6 +11,7 @@ from __future__ import annotations
 from rayllm.config import HF_SHAPE_KEYS, TrainConfig
 from rayllm.config.checks import check_model
 from rayllm.errors import CheckpointError, ConfigError
+from rayllm.io.redact import display_uri
 from rayllm.io.storage import filesystem, join
 
 
@@ -35,7 +36,9 @@ def _read_hf_config(folder: str, config: TrainConfig) -> dict:
     except CheckpointError as e:
         raise ConfigError(f"model.init_from: {e}") from None
     except ValueError as e:  # not JSON
-        raise ConfigError(f"model.init_from: {folder}'s config.json is not valid JSON ({e}); re-export it") from None
+        raise ConfigError(
+            f"model.init_from: {display_uri(folder)}'s config.json is not valid JSON ({e}); re-export it"
+        ) from None
 
 
 def _set_shape(config: TrainConfig, hf: dict, folder: str) -> None:
@@ -48,7 +51,7 @@ def _set_shape(config: TrainConfig, hf: dict, folder: str) -> None:
         raise ConfigError(f"model.init_from: {e}") from None
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(
-            f"model.init_from: {folder}'s config.json lacks or mistypes {e}; it is not a transformers Llama config"
+            f"model.init_from: {display_uri(folder)}'s config.json lacks or mistypes {e}; it is not a transformers Llama config"
         ) from None
     for key in HF_SHAPE_KEYS:
         name = key.split(".", 1)[1]
@@ -56,7 +59,9 @@ def _set_shape(config: TrainConfig, hf: dict, folder: str) -> None:
     try:
         check_model(config.model)
     except ConfigError as e:
-        raise ConfigError(f"model.init_from: the shape {folder}'s config.json gives is refused: {e}") from None
+        raise ConfigError(
+            f"model.init_from: the shape {display_uri(folder)}'s config.json gives is refused: {e}"
+        ) from None
 
 
 def _check_context(config: TrainConfig, hf: dict, folder: str) -> None:
@@ -64,7 +69,7 @@ def _check_context(config: TrainConfig, hf: dict, folder: str) -> None:
     limit = hf.get("max_position_embeddings")
     if isinstance(limit, int) and config.data.seq_len > limit:
         raise ConfigError(
-            f"data.seq_len {config.data.seq_len} is above the {limit} positions model.init_from {folder} was trained "
+            f"data.seq_len {config.data.seq_len} is above the {limit} positions model.init_from {display_uri(folder)} was trained "
             f"for (max_position_embeddings in its config.json); set data.seq_len to at most {limit}"
         )
 

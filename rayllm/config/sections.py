@@ -181,7 +181,7 @@ class ClusterSettings:
 
 @dataclass
 class TrackingSettings:
-    """Aim tracking: ``repo`` defaults to ``<run.dir>/aim`` (or ./.aim for remote run dirs)."""
+    """Aim tracking: ``repo`` defaults to ``<run.dir>/aim`` (~/.rayllm/aim for a run.dir on object storage)."""
 
     enabled: bool = True
     repo: str | None = None

@@ -35,7 +35,7 @@ from rayllm.config.sections import (
 from rayllm.io.settings import StorageSettings
 
 
-@dataclass
+@dataclass(repr=False)  # RootConfig.__repr__: redacted
 class TrainConfig(RootConfig):
     """The whole run."""
 

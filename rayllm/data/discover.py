@@ -22,6 +22,7 @@ from rayllm.data.shard_groups import local_chunks
 from rayllm.data.shards import iter_documents, iter_token_documents
 from rayllm.data.source import SourceSpec
 from rayllm.errors import DataError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import expand_shards, filesystem, join, list_shards, read_text, write_text
 
@@ -39,14 +40,25 @@ class DataSpecs:
     vocab_size: int
 
     def with_storage(self, storage: StorageSettings) -> DataSpecs:
-        """These plans reading through ``storage`` (a sealed copy, before they go to other processes)."""
+        """These plans reading through ``storage`` (a sealed copy, before they go to other processes),
+        each path as shown (display_uri: no password, no signature): ``storage`` knows the real ones
+        (StorageSettings.with_secret_paths(plans.paths()))."""
 
         def swap(plan: StreamSpec | None) -> StreamSpec | None:
             if plan is None:
                 return None
-            return dataclasses.replace(plan, sources=[dataclasses.replace(s, storage=storage) for s in plan.sources])
+            sources = [
+                dataclasses.replace(s, storage=storage, shards=[display_uri(u) for u in s.shards]) for s in plan.sources
+            ]
+            return dataclasses.replace(plan, sources=sources)
 
-        return dataclasses.replace(self, train=swap(self.train), val=swap(self.val))
+        shown = display_uri(self.tokenizer_uri)
+        return dataclasses.replace(self, train=swap(self.train), val=swap(self.val), tokenizer_uri=shown)
+
+    def paths(self) -> list[str]:
+        """Every path these plans read: each shard, and the tokenizer's."""
+        plans = [p for p in (self.train, self.val) if p is not None]
+        return [self.tokenizer_uri, *(u for p in plans for s in p.sources for u in s.shards)]
 
 
 @dataclass
@@ -69,7 +81,9 @@ def _sources(config: TrainConfig) -> list[_Source]:
     sources, names = [], set()
     for i, spec in enumerate(specs):
         path = spec.path if isinstance(spec.path, str) else spec.path[0]
-        name = spec.name or posixpath.basename(path.rstrip("/").split("*")[0].rstrip("/")) or f"source{i}"
+        # The last part of the path, without a query (a signed URL's signature is no name).
+        bare = display_uri(path).split("?", 1)[0]
+        name = spec.name or posixpath.basename(bare.rstrip("/").split("*")[0].rstrip("/")) or f"source{i}"
         if name in names:
             name = f"{name}-{i}"
         names.add(name)
@@ -268,7 +282,9 @@ def _given_tokenizer(config: TrainConfig, sources) -> tuple[str, str] | None:
     if config.data.tokenizer:
         text = read_text(config.data.tokenizer, storage)
         if text is None:
-            raise DataError(f"data.tokenizer {config.data.tokenizer!r} does not exist; give a tokenizer.json path")
+            raise DataError(
+                f"data.tokenizer {display_uri(config.data.tokenizer)!r} does not exist; give a tokenizer.json path"
+            )
         return text, config.data.tokenizer
     for src in sources:
         if src.pretokenized:
@@ -283,7 +299,7 @@ def _check_token_ids(src: _Source, sample: list[list[int]], vocab: int, tokenize
     top = max(max(ids) for ids in sample)
     if top >= vocab:
         raise DataError(
-            f"data source {src.name!r} holds token id {top} but the tokenizer {tokenizer_uri} has {vocab} tokens: "
+            f"data source {src.name!r} holds token id {top} but the tokenizer {display_uri(tokenizer_uri)} has {vocab} tokens: "
             f"its shards were made with another tokenizer; set data.tokenizer to that one"
         )
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from rayllm.errors import DataError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem
 
@@ -27,18 +28,24 @@ def iter_documents(uri: str, text_field: str, storage: StorageSettings) -> Itera
     except DataError:
         raise
     except FileNotFoundError:
-        raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
+        raise DataError(
+            f"shard {display_uri(uri)} disappeared or cannot be found; check that it still exists"
+        ) from None
     except PermissionError as e:
-        raise DataError(f"shard {uri} cannot be read: access denied ({e}); check storage credentials") from None
+        raise DataError(
+            f"shard {display_uri(uri)} cannot be read: access denied ({display_uri(str(e))}); check storage credentials"
+        ) from None
     except Exception as e:  # pyarrow, gzip, zstd and fsspec errors have no common base
-        raise DataError(f"shard {uri} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
+        raise DataError(
+            f"shard {display_uri(uri)} is unreadable ({type(e).__name__}: {display_uri(str(e))}); fix or remove it"
+        ) from None
 
 
 def _decode(raw: bytes, uri: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"shard {uri} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
+        raise DataError(f"shard {display_uri(uri)} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
 
 
 def _zstd_lines(fs, path: str, uri: str) -> Iterator[bytes]:
@@ -62,7 +69,9 @@ def _zstd_lines(fs, path: str, uri: str) -> Iterator[bytes]:
             *lines, pending = pending.split(b"\n")
             yield from lines
     if in_frame:
-        raise DataError(f"shard {uri} is truncated (its zstd stream ends mid-frame); re-upload or remove it")
+        raise DataError(
+            f"shard {display_uri(uri)} is truncated (its zstd stream ends mid-frame); re-upload or remove it"
+        )
     if pending:
         yield pending
 
@@ -82,10 +91,12 @@ def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
         try:
             record = json.loads(_decode(raw, uri))
         except json.JSONDecodeError as e:
-            raise DataError(f"shard {uri} line {lineno} is not valid JSON ({e.msg}); fix or remove it") from None
+            raise DataError(
+                f"shard {display_uri(uri)} line {lineno} is not valid JSON ({e.msg}); fix or remove it"
+            ) from None
         if not isinstance(record, dict) or text_field not in record:
             raise DataError(
-                f"shard {uri} line {lineno} has no {text_field!r} field; set data.text_field to the "
+                f"shard {display_uri(uri)} line {lineno} has no {text_field!r} field; set data.text_field to the "
                 f"field that holds the text"
             )
         text = record[text_field]
@@ -100,7 +111,7 @@ def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
             raise DataError(
-                f"shard {uri} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                f"shard {display_uri(uri)} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                 f"set data.text_field"
             )
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
@@ -147,6 +158,10 @@ def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
                     if hi > lo:
                         yield values[lo:hi]
     except FileNotFoundError:
-        raise DataError(f"shard {uri} disappeared or cannot be found; check that it still exists") from None
+        raise DataError(
+            f"shard {display_uri(uri)} disappeared or cannot be found; check that it still exists"
+        ) from None
     except Exception as e:
-        raise DataError(f"shard {uri} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
+        raise DataError(
+            f"shard {display_uri(uri)} is unreadable ({type(e).__name__}: {display_uri(str(e))}); fix or remove it"
+        ) from None

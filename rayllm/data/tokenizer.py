@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from rayllm.errors import DataError
+from rayllm.io.redact import display_uri
 
 EOS = "<|endoftext|>"
 
@@ -32,7 +33,7 @@ def load(json_text: str, source: str) -> Tokenizer:
     try:
         return Tokenizer.from_str(json_text)
     except Exception as e:
-        raise DataError(f"tokenizer {source} is not a valid tokenizer.json ({e})") from None
+        raise DataError(f"tokenizer {display_uri(str(source))} is not a valid tokenizer.json ({e})") from None
 
 
 def eos_id(tokenizer: Tokenizer) -> int:

@@ -1,7 +1,8 @@
 """The one channel credentials travel through: Ray's object store, never a task's arguments.
 
-A ``StorageSettings`` that holds a key, a secret or an endpoint URL with a password inside is
-*sealed* on the driver: the secret values go into the object store once (``ray.put``), and
+A ``StorageSettings`` that holds a key, a secret, a session token, an endpoint URL with a password
+inside, or the real form of paths that carry their own secret (a password URL, a signed URL:
+io/redact.py) is *sealed* on the driver: the secret values go into the object store once (``ray.put``), and
 whatever is pickled afterwards (Ray Train's ``train_loop_config``, an actor's constructor
 arguments, Ray Data's ``fn_kwargs``) carries only the ObjectRef. Ray shows and persists task
 arguments (dashboard, state API, the GCS's actor table); it neither shows nor writes to disk
@@ -15,19 +16,19 @@ is a programming error and raises: a forgotten ``seal`` must fail in tests, not 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-SECRET_FIELDS = ("key", "secret")
-REDACTED = "<redacted>"
+from rayllm.io.redact import display_uri
+
+SECRET_FIELDS = ("key", "secret", "session_token")
 RESOLVE_TIMEOUT_S = 60.0
 
 _resolved: dict[str, dict[str, str]] = {}  # ref hex -> values, per process
 
 
 def redact_url(url: str) -> str:
-    """``scheme://user:password@host`` -> ``scheme://<redacted>@host``: credentials inside URLs."""
-    return re.sub(r"(://)[^/@\s]+@", rf"\1{REDACTED}@", url)
+    """A URL as it may be shown: its password and its signed-URL parameters redacted (redact.py)."""
+    return display_uri(url)
 
 
 def secret_values(fields: dict[str, Any]) -> dict[str, str]:
@@ -46,7 +47,7 @@ def seal(values: dict[str, str]):
     return ray.put(values)
 
 
-def resolve(ref) -> dict[str, str]:
+def resolve(ref) -> dict[str, Any]:
     """The sealed values, fetched once per process (with a deadline: the owner may be gone)."""
     key = ref.hex()
     if key not in _resolved:

@@ -15,6 +15,7 @@ from typing import Any
 import fsspec
 
 from rayllm.errors import DataError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 
 SHARD_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
@@ -36,6 +37,8 @@ def storage_options(path: str, storage: StorageSettings) -> dict[str, Any]:
         options["key"] = secret["key"]
     if secret.get("secret"):
         options["secret"] = secret["secret"]
+    if secret.get("session_token"):
+        options["token"] = secret["session_token"]  # s3fs's name for the STS session token
     endpoint = secret.get("endpoint_url") or storage.endpoint_url
     if endpoint:
         options["endpoint_url"] = endpoint
@@ -45,7 +48,11 @@ def storage_options(path: str, storage: StorageSettings) -> dict[str, Any]:
 
 
 def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem holding ``path`` and the path as that filesystem names it."""
+    """The filesystem holding ``path`` and the path as that filesystem names it.
+
+    ``path`` may be shown (``<redacted>`` in place of a password or a signature): the settings
+    give back the real one (StorageSettings.real_path), which only the returned path holds."""
+    path = storage.real_path(path)
     if not is_remote(path):
         return fsspec.filesystem("file"), os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
     try:
@@ -95,12 +102,12 @@ def _check_bucket(fs, path: str, item: str, what: str) -> None:
     try:
         exists = fs.exists(bucket)
     except PermissionError as e:
-        raise DataError(f"{what}: access denied to {item!r} ({e}); check storage credentials") from None
+        raise DataError(f"{what}: access denied to {display_uri(item)!r} ({e}); check storage credentials") from None
     except Exception:
         return
     if not exists:
         raise DataError(
-            f"{what}: bucket {bucket!r} of {item!r} does not exist (or these credentials cannot see it); "
+            f"{what}: bucket {bucket!r} of {display_uri(item)!r} does not exist (or these credentials cannot see it); "
             f"check the bucket name and storage.endpoint_url"
         )
 
@@ -136,14 +143,16 @@ def list_shards(spec: str | list[str], storage: StorageSettings, what: str) -> l
             else:
                 found = {}
         except PermissionError as e:
-            raise DataError(f"{what}: access denied to {item!r} ({e}); check storage credentials") from None
+            raise DataError(
+                f"{what}: access denied to {display_uri(item)!r} ({e}); check storage credentials"
+            ) from None
         except OSError as e:
-            raise DataError(f"{what}: cannot list {item!r}: {e}") from None
+            raise DataError(f"{what}: cannot list {display_uri(item)!r}: {display_uri(str(e))}") from None
         if not found and is_remote(item):
             _check_bucket(fs, path, item, what)
         if not found:
             raise DataError(
-                f"{what}: no shards found at {item!r}. Check the path exists and holds files ending in "
+                f"{what}: no shards found at {display_uri(item)!r}. Check the path exists and holds files ending in "
                 f"{', '.join(SHARD_SUFFIXES)} (or set data.demo_corpus: true with the default demo paths)"
             )
         shards.extend((full_uri(fs, p), int(found[p].get("size") or 0)) for p in sorted(found))
@@ -173,15 +182,18 @@ def join(base: str, *parts: str) -> str:
 def pyarrow_filesystem(uri: str, storage: StorageSettings):
     """A pyarrow filesystem over fsspec for Ray Train's storage (None for local paths).
 
-    It pickles as (uri, storage) and opens its fsspec filesystem on first use in each process:
-    a pickled s3fs filesystem would carry its key and secret inside Ray Train's actor arguments.
+    It pickles as (uri as shown, storage) and opens its fsspec filesystem on first use in each
+    process: a pickled s3fs filesystem would carry its key and secret inside Ray Train's actor
+    arguments, and a URI with a password would carry it too (``storage`` knows the real one).
     """
     if not is_remote(uri):
         return None, os.path.abspath(os.path.expanduser(uri))
     import pyarrow.fs
 
     _, path = filesystem(uri, storage)
-    return pyarrow.fs.PyFileSystem(_lazy_handler_class()(uri, storage)), path
+    shown = display_uri(uri)
+    handled = shown if storage.real_path(shown) == storage.real_path(uri) else uri
+    return pyarrow.fs.PyFileSystem(_lazy_handler_class()(handled, storage)), path
 
 
 @functools.cache

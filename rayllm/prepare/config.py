@@ -162,7 +162,7 @@ class ClusterSettings:
     address: str | None = None
 
 
-@dataclass
+@dataclass(repr=False)  # RootConfig.__repr__: redacted
 class PrepareConfig(RootConfig):
     """The whole prepare job."""
 

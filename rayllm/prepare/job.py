@@ -46,6 +46,7 @@ from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.discover import SHARD_TOKENIZER_FILE
 from rayllm.errors import DataError
+from rayllm.io.redact import display_uri, redact_tree
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import expand_shards, join, read_text, write_text
 from rayllm.prepare.config import PrepareConfig
@@ -69,7 +70,10 @@ def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
     shards = _input_shards(config, log)
     tokenizer_json = _load_tokenizer(config)
     _connect(config)
-    sealed = config.storage.sealed()  # what Ray tasks get: the credentials stay in the object store
+    # What Ray tasks get: the credentials, and the real form of any path with a password or a
+    # signature in it, stay in the object store; the tasks are handed the paths as shown.
+    sealed = config.storage.with_secret_paths([*config.secret_paths(), *shards]).sealed()
+    shards = [display_uri(s) for s in shards]
     plan = LabelPlan(
         text_field=config.input.text_field,
         storage=sealed,
@@ -78,7 +82,7 @@ def prepare(config: PrepareConfig, *, quiet: bool = False) -> dict[str, Any]:
         tokenizer_json=tokenizer_json,
     )
     with data_context():
-        log(f"reading {len(shards)} shard(s) from {config.input.path}")
+        log(f"reading {len(shards)} shard(s) from {redact_tree(config.input.path)}")
         labeled = _read_and_label(shards, plan)
         counts = stage_counts(labeled)
         bad = bad_shards(labeled, shards, config.on_bad_shard) if BAD_SHARD in counts else []
@@ -169,7 +173,7 @@ def _write_outputs(
 ) -> tuple[list[str], list[str] | None]:
     """The text shards in id order, and the pre-tokenised ones when a tokenizer is set: their file names."""
     final = kept.select_columns(["id", "text"]).sort("id").materialize()
-    log(f"writing {documents} documents to {config.output.path}")
+    log(f"writing {documents} documents to {display_uri(config.output.path)}")
     files = write_shards(final, config.output.path, config, sealed)
     if tokenizer_json is None:
         return files, None

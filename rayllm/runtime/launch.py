@@ -15,8 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
 from rayllm import events
 from rayllm.checkpoint.memory import start_registry
 from rayllm.config import TrainConfig
@@ -25,6 +23,7 @@ from rayllm.data.discover import prepare_data
 from rayllm.data.order import first_batches
 from rayllm.data.stream.server import start_server
 from rayllm.errors import RayllmError
+from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.loop import fault_injection as faults
@@ -180,8 +179,7 @@ def _prepare_run(config: TrainConfig, log):
     resolve(config)
     plans = prepare_data(config, log=log)
     import_init_weights(config, log)
-    resolved = yaml.safe_dump(config.redacted(), sort_keys=False)
-    write_text(join(config.run.dir, "config.yaml"), resolved, config.storage)
+    write_text(join(config.run.dir, "config.yaml"), config.to_redacted_yaml(), config.storage)
     return plans
 
 
@@ -208,8 +206,10 @@ def _start_driver_actors(config: TrainConfig, plans) -> _DriverActors:
     # In-memory checkpoints' keepers, owned through this registry by the driver: they outlive attempts.
     keepers = f"rayllm-keepers-{uuid.uuid4().hex[:12]}" if config.train.memory_checkpoint_every else None
     registry = start_registry(keepers) if keepers else None
-    # Credentials travel only as a Ray object inside sealed settings, never as task arguments.
-    sealed = config.storage.sealed()
+    # Credentials, and the real form of every path with a password or a signature in it, travel
+    # only as a Ray object inside sealed settings, never as task arguments: the config and the
+    # plans go redacted, and the sealed settings give each process the real path it opens.
+    sealed = config.storage.with_secret_paths([*config.secret_paths(), *plans.paths()]).sealed()
     plans = plans.with_storage(sealed)
     stream = _start_stream(config, plans)
     return _DriverActors(records, control, keepers, registry, stream, sealed, plans)
@@ -357,15 +357,15 @@ def format_summary(r: TrainResult) -> str:
         f"  wall time       {r.seconds:.0f} s"
         + (f" ({r.seconds_to_first_step:.0f} s to the first step)" if r.seconds_to_first_step else ""),
         f"  peak memory     {num(r.peak_memory_bytes / 2**20 if r.peak_memory_bytes else None, ',.0f')} MiB per worker",
-        f"  checkpoint      {r.checkpoint}",
-        f"  run dir         {r.run_dir}",
+        f"  checkpoint      {display_uri(r.checkpoint) if r.checkpoint else None}",
+        f"  run dir         {display_uri(r.run_dir)}",
     ]
     mixture = r.data_report.get("mixture") or {}
     if len(mixture) > 1:
         lines.append("  mixture         " + ", ".join(f"{name} {share:.1%}" for name, share in mixture.items()))
     skipped = r.data_report.get("skipped_shards") or []
     if skipped:
-        lines.append(f"  skipped shards  {len(skipped)} (listed in {r.run_dir}/data_report.json)")
+        lines.append(f"  skipped shards  {len(skipped)} (listed in {display_uri(r.run_dir)}/data_report.json)")
     if r.aim_run_hash:
         lines.append(f"  aim run         {r.aim_run_hash} in {r.aim_repo}  (view: aim up --repo {r.aim_repo})")
     return "\n".join(lines)

@@ -218,8 +218,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         pass
     import ray
 
+    # The config arrives redacted (Ray Train shows train_loop_config in its state API): each path
+    # with a password or a signature in it reads "<redacted>" there, and the sealed storage
+    # settings, whose credentials and real paths come from Ray's object store, open the real one.
     config = TrainConfig.from_dict(loop_config["config"])
-    config.storage = loop_config["storage"]  # sealed: its credentials come from Ray's object store
+    config.storage = loop_config["storage"]
     threads = max(1, int(config.cluster.cpus_per_worker))
     if not config.cluster.use_gpu:
         torch.set_num_threads(threads)

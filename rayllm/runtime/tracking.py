@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from rayllm.config import TrainConfig
+from rayllm.io.redact import display_uri
 from rayllm.io.storage import is_remote, join, read_text, write_text
 
 RUN_HASH_FILE = "aim_run.json"
@@ -61,12 +62,29 @@ def environment() -> dict[str, Any]:
     return found
 
 
+# Aim writes its repo only to a local folder or an ``aim server``: a run.dir on object storage
+# gets this local folder instead (not the working dir: ``ray job submit`` deletes the job's).
+REMOTE_RUN_DIR_REPO = "~/.rayllm/aim"
+_noted: set[str] = set()
+
+
 def default_repo(config: TrainConfig) -> str:
+    """tracking.repo, else ``<run.dir>/aim``, else for a run.dir on object storage
+    REMOTE_RUN_DIR_REPO, said once per process since it is not where the run's files are."""
     if config.tracking.repo:
         return config.tracking.repo
-    if is_remote(config.run.dir):
-        return os.path.abspath(".aim-repo")
-    return os.path.join(os.path.abspath(config.run.dir), "aim")
+    if not is_remote(config.run.dir):
+        return os.path.join(os.path.abspath(config.run.dir), "aim")
+    repo = os.path.expanduser(REMOTE_RUN_DIR_REPO)
+    if config.tracking.enabled and repo not in _noted:
+        _noted.add(repo)
+        print(
+            f"[rayllm] Aim cannot keep a repo in {display_uri(config.run.dir)}: tracking to the local repo {repo} "
+            "(set tracking.repo to a folder or to aim://host:port of an `aim server` to choose)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return repo
 
 
 def _warn(text: str) -> None:
@@ -136,7 +154,7 @@ class Tracker:
             _warn(
                 f"the tracking server {self.repo} does not answer; training goes on, Aim keeps what it "
                 f"cannot send until the server is back, and every record is in "
-                f"{join(self.config.run.dir, 'metrics.jsonl')}"
+                f"{display_uri(join(self.config.run.dir, 'metrics.jsonl'))}"
             )
         elif answers and self.server_lost:
             _warn(f"the tracking server {self.repo} answers again")
@@ -249,7 +267,7 @@ class Tracker:
             return True
         _warn(
             f"gave up {pending.unfinished_tasks} writes the tracking server {self.repo} never took; every "
-            f"record of this run is in {join(self.config.run.dir, 'metrics.jsonl')}"
+            f"record of this run is in {display_uri(join(self.config.run.dir, 'metrics.jsonl'))}"
         )
         self._abandon(client)
         return False

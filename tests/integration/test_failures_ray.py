@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import TEST_MODEL, kill_actor_after, read_records
+from helpers import TEST_MODEL, kill_actor_after, read_records, s3_client
 from test_exactly_once import G, ids_of, write_small_corpus
 
 from rayllm import RayllmError, TrainConfig, train
@@ -23,7 +23,27 @@ from rayllm.data.order import local_stream
 from rayllm.data.stream.server import MAX_DEPTH
 
 pytestmark = pytest.mark.slow
-KEY, SECRET = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e"
+KEY, SECRET, SESSION = "AKIAMARKERKEY7731", "marker-secret-5f0c2a9e", "marker-session-91d3"
+SIGNATURE, CREDENTIAL, PASSWORD = "marker-signature-44ab", "marker-credential-0e7f", "marker-password-c2d8"
+MARKERS = (KEY, SECRET, SESSION, SIGNATURE, CREDENTIAL, PASSWORD)
+
+
+def secret_paths(s3_server: str, tokenizer_file: str) -> list[str]:
+    """Paths with secrets of their own, on moto over plain HTTP (which ignores them): a signed
+    URL as a mixture source (read by the stream server's Ray Data tasks), a password URL as the
+    validation set (read by the driver) and a signed tokenizer; plus a session token. (moto serves
+    an object to a request that is signed, or looks signed, or has a password, and ignores both.)"""
+    s3 = s3_client(s3_server, KEY, SECRET)
+    s3.copy_object(Bucket="marked-run", Key="signed/part-9.jsonl", CopySource="marked-run/small/part-2.jsonl")
+    s3.put_object(Bucket="marked-run", Key="tok/tokenizer.json", Body=pathlib.Path(tokenizer_file).read_bytes())
+    host = s3_server.removeprefix("http://")
+    signed = f"http://{host}/marked-run/signed/part-9.jsonl?X-Amz-Credential={CREDENTIAL}&X-Amz-Signature={SIGNATURE}"
+    return [
+        f"data.train=[{{path: s3://marked-run/small, weight: 2}}, {{path: '{signed}', weight: 1}}]",
+        f"data.val=http://reader:{PASSWORD}@{host}/marked-run/small/part-0.jsonl",
+        f"data.tokenizer=http://{host}/marked-run/tok/tokenizer.json?X-Amz-Security-Token={CREDENTIAL}&X-Amz-Signature={SIGNATURE}",
+        f"storage.session_token={SESSION}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +53,9 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
     base = [
         *TEST_MODEL,
         *overrides,
-        f"data.tokenizer={tokenizer_file}",
+        *secret_paths(s3_server, tokenizer_file),
         "data.demo_corpus=false",
-        "data.val=null",
+        "train.val_every=1000",  # validation at step 0 and at the end: the driver reads data.val
         "data.record_ids=true",
         "data.shuffle_window=64",
         f"run.dir={tmp_path / 'run'}",
@@ -55,7 +75,9 @@ def marked_run(ray_local, tokenizer_file, s3_server, tmp_path_factory):
     expected = ids_of(stream[["source", "epoch", "shard", "index"]])
     killed: list[int] = []
     watcher = kill_actor_after(str(tmp_path / "run"), 6, "StreamServer", killed)
-    result = train(config, quiet=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")  # Ray Train's run record, as the dashboard shows it
+        result = train(config, quiet=True)
     watcher.join(timeout=1)
     return {"result": result, "expected": expected, "killed": killed, "run_dir": tmp_path / "run", "config": config}
 
@@ -79,10 +101,15 @@ def test_a_killed_data_stream_server_costs_a_restart_not_the_run(marked_run):
 
 
 def test_credentials_reach_no_file_log_state_or_repr(marked_run):
+    """Storage keys, a session token and the secrets inside path fields (a signed mixture source,
+    a password validation URL, a signed tokenizer URL): in no file of the run, no Ray log, no
+    state-API output (actors, tasks, jobs, Ray Train's run record), no repr, no summary."""
     import ray
-    from ray.util.state import list_actors, list_tasks
+    from ray.util.state import list_actors, list_jobs, list_tasks
 
-    markers = (KEY.encode(), SECRET.encode())
+    from rayllm.runtime.launch import format_summary
+
+    markers = tuple(m.encode() for m in MARKERS)
     places = [pathlib.Path(marked_run["run_dir"])]  # checkpoints, metrics.jsonl, config.yaml, the Aim repo
     places.append(pathlib.Path(ray._private.worker._global_node.get_session_dir_path()) / "logs")
     leaks = []
@@ -93,10 +120,28 @@ def test_credentials_reach_no_file_log_state_or_repr(marked_run):
                 leaks += [f"{path}: {m.decode()}" for m in markers if m in data]
     assert not leaks, leaks
     state = repr(list_actors(detail=True, limit=10000)) + repr(list_tasks(detail=True, limit=10000))
-    assert KEY not in state and SECRET not in state
-    config = marked_run["config"]
-    for shown in (repr(config), str(config.data), repr(config.storage), repr(prepare_data(config).train)):
-        assert KEY not in shown and SECRET not in shown
+    state += repr(list_jobs(detail=True)) + train_run_records()
+    assert not [m for m in MARKERS if m in state]
+    config, result = marked_run["config"], marked_run["result"]
+    assert (
+        result.data_report["mixture"] and "part-9.jsonl" in result.data_report["mixture"]
+    )  # the signed source trained
+    assert result.initial_val_loss  # the password URL was read
+    shown = repr(config) + format_summary(result) + repr(result.data_report)
+    assert not [m for m in MARKERS if m in shown], shown
+    for shown in (str(config.data), repr(config.storage), repr(prepare_data(config).train)):
+        assert KEY not in shown and SECRET not in shown and SESSION not in shown
+
+
+def train_run_records() -> str:
+    """What Ray Train's state actor records of each run (its dashboard's /api/train/v2/runs):
+    the train_loop_config as text, the run config, the storage path."""
+    import ray
+    from ray.train.v2._internal.state.state_actor import get_state_actor
+
+    actor = get_state_actor()
+    assert actor is not None, "Ray Train recorded no run"
+    return repr(ray.get(actor.get_train_runs.remote(), timeout=30))
 
 
 def test_an_error_that_repeats_at_the_same_step_ends_the_run_after_two_attempts(ray_local, overrides, monkeypatch):
