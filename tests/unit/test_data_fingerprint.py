@@ -109,7 +109,8 @@ def test_added_shards_and_a_changed_seq_len_are_refused_in_one_line_naming_both(
 
 def test_a_tokenizer_of_the_same_vocabulary_size_is_refused_and_leaves_the_run_copy(folders, tokenizer_file, tmp_path):
     config = config_of(folders, tokenizer_file)
-    committed(config, 4, fingerprint(plans_of(config).train))
+    first = plans_of(config)
+    committed(config, 4, fingerprint(first.train))
     raw = json.loads(tokenizer_file.read_text())  # the same tokens, two of them swapped: another tokenizer
     vocab = raw["model"]["vocab"]
     a, b = list(vocab)[300:302]
@@ -118,7 +119,7 @@ def test_a_tokenizer_of_the_same_vocabulary_size_is_refused_and_leaves_the_run_c
     other.write_text(json.dumps(raw))
     changed = config_of(folders, tokenizer_file, ("code", "web"), f"data.tokenizer={other}")
     plans = plans_of(changed)
-    assert plans.vocab_size == plans_of(config).vocab_size
+    assert plans.vocab_size == first.vocab_size
     with pytest.raises(DataError, match=r"since checkpoint_00000004: data.tokenizer is another tokenizer"):
         check_resume_data(changed, plans, log=print)
     assert (folders / "run" / "tokenizer.json").read_text() == tokenizer_file.read_text()  # the run's own
