@@ -31,7 +31,7 @@ from rayllm.checkpoint import hf_import
 from rayllm.checkpoint.checkpointer import Checkpointer, StepAgreement
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig, check_batch_split
-from rayllm.data.fingerprint import fingerprint
+from rayllm.data.fingerprint import DataFingerprint, fingerprint
 from rayllm.data.order import DataState
 from rayllm.data.prefetch import prefetched
 from rayllm.errors import RayllmError
@@ -114,7 +114,7 @@ class Trainer:
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
         self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
-        self.data_fingerprint = fingerprint(session.train_spec)  # what data_state means something for
+        self.data_fingerprint: DataFingerprint | None = None  # what data_state means something for (fit)
         self.data_origin = 0  # sequences trained on before the current data order began
         # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
         keeps = session.rank % self.layout.tp == 0
@@ -242,6 +242,7 @@ class Trainer:
             before_commit=faults.maybe_crash_before_commit,
         )
         session.phases["checkpointer"] = time.time()
+        self.data_fingerprint = fingerprint(session.train_spec)  # not in __init__: bench steps have no stream
         self.restore()
         session.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
