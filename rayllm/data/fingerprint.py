@@ -144,7 +144,8 @@ def compare(saved: DataFingerprint, now: DataFingerprint) -> DataChanges:
         own = _source_changes(old, new)
         changes += own
         changed += [new.name] if own else []
-        if abs(old.weight / old_total - new.weight / new_total) > 1e-9:
+        # A weight whose share moved only because a source came or went is no change of its own.
+        if old.weight != new.weight and abs(old.weight / old_total - new.weight / new_total) > 1e-9:
             changes.append(f"source {new.name!r} weight {old.weight:g} -> {new.weight:g}")
     return DataChanges(tuple(changes), everything, tuple(changed))
 

@@ -130,7 +130,9 @@ def test_a_removed_source_is_named_and_the_others_keep_their_shard_order(folders
     saved = fingerprint(saved_plan)
     now = align(plans_of(config_of(folders, tokenizer_file, ("code", "books"))).train, saved)
     changes = compare(saved, fingerprint(now))
-    assert changes.changes[0] == "source 'web' removed" and not changes.sources and not changes.everything
+    assert changes.changes == ("source 'web' removed",) and not changes.sources and not changes.everything
+    heavier = dataclasses.replace(now, sources=[dataclasses.replace(now.sources[0], weight=3.0), now.sources[1]])
+    assert compare(saved, fingerprint(heavier)).changes[1:] == ("source 'code' weight 1 -> 3",)
     books_then, books_now = saved_plan.sources[2], now.sources[1]
     assert [group_members(books_now, g) for g in range(4)] == [group_members(books_then, g) for g in range(4)]
 
