@@ -228,6 +228,18 @@ class Skipped(RunEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataChanged(RunEvent):
+    """Rank 0, at a resume on data other than its checkpoint's with data.on_change: restart: a new
+    data order starts at this step (rayllm/data/fingerprint.py)."""
+
+    kind: ClassVar[str] = "data_changed"
+    checkpoint: str  # the checkpoint's folder name
+    changes: list[str]  # each in words: "data.seq_len 256 -> 512"
+    restarted: list[str]  # sources read from their beginning
+    kept: list[str]  # sources that go on where they were
+
+
+@dataclass(frozen=True, kw_only=True)
 class Done(RunEvent):
     """Rank 0, when a run starts at or past its last step: nothing to train; its latest checkpoint's metrics."""
 
@@ -267,6 +279,7 @@ EVENTS: tuple[type[RunEvent], ...] = (
     Stopped,
     FirstStep,
     Skipped,
+    DataChanged,
     Done,
     Resize,
 )

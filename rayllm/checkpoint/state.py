@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayllm.data.fingerprint import DataFingerprint
 from rayllm.data.order import DataState
 from rayllm.errors import CheckpointError
 from rayllm.io.redact import display_uri
@@ -30,6 +31,12 @@ class TrainState:
     world_size: int = 1
     layout: dict[str, Any] = field(default_factory=dict)  # the Layout it was saved at (for the record)
     model: ModelArgs | None = None  # the shape: the checkpoint alone can be loaded (generate, export)
+    # What the data position means something for (data/fingerprint.py): a resume compares it with
+    # the data it is given. None in checkpoints written before rayllm recorded it.
+    data_fingerprint: DataFingerprint | None = None
+    # Sequences trained on before the current data order began (data.on_change: restart); the
+    # stream's own position is ``consumed - data_origin``.
+    data_origin: int = 0
     # In memory: the step of a stored checkpoint still being written, whose ids this one holds too.
     ids_uncommitted_step: int | None = None
 
@@ -50,6 +57,7 @@ class TrainState:
         values = {k: v for k, v in raw.items() if k in known}
         values["data"] = DataState.from_dict(raw.get("data"))
         values["source_counts"] = list(raw.get("source_counts") or [])
+        values["data_fingerprint"] = DataFingerprint.from_json(raw.get("data_fingerprint"))
         if raw.get("model"):
             shape = {f.name for f in dataclasses.fields(ModelArgs)}
             values["model"] = ModelArgs(**{k: v for k, v in raw["model"].items() if k in shape})

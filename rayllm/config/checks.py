@@ -192,6 +192,8 @@ def check_data(d: DataSettings) -> None:
     _text("data.tokenizer", d.tokenizer, "give a tokenizer.json path, or null to train one", null=True)
     if d.on_bad_shard not in ("error", "skip"):
         raise ConfigError(f"data.on_bad_shard must be error or skip, got {d.on_bad_shard!r}; set one of them")
+    if d.on_change not in ("refuse", "restart"):
+        raise ConfigError(f"data.on_change must be refuse or restart, got {d.on_change!r}; set one of them")
 
 
 def check_storage(s: StorageSettings) -> None:

@@ -52,6 +52,10 @@ class DataSettings:
     tokenize_tasks: int = 8
     # A shard that cannot be read: "error" stops the run naming it; "skip" skips it and counts it.
     on_bad_shard: str = "error"
+    # A resume whose data differs from its checkpoint's (tokenizer, seq_len, seed, a source's shards,
+    # weights or the sources themselves): "refuse" stops naming what changed; "restart" starts a new
+    # data order there (the changed sources from their beginning) and says so (docs/data.md).
+    on_change: str = "refuse"
     # How long a rank waits for its next batch from the data stream before the attempt fails
     # with an error naming the wait (a stalled or lost stream server); the run then restarts
     # from its latest checkpoint.

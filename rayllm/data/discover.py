@@ -257,7 +257,9 @@ def _tokenizer(config: TrainConfig, sample: list[str], log, sources: list[_Sourc
     run_copy = join(config.run.dir, TOKENIZER_FILE)
     found = _given_tokenizer(config, sources)
     if found is not None:
-        if read_text(run_copy, storage) != found[0]:
+        # Only a first run's copy: on a resume, the copy changes only once the checkpoint's data
+        # fingerprint has accepted the new tokenizer (keep_tokenizer_copy).
+        if read_text(run_copy, storage) is None:
             write_text(run_copy, found[0], storage)
         return found
     text = read_text(run_copy, storage)
@@ -274,6 +276,14 @@ def _tokenizer(config: TrainConfig, sample: list[str], log, sources: list[_Sourc
     text = tokenizer.to_str()
     write_text(run_copy, text, storage)
     return text, run_copy
+
+
+def keep_tokenizer_copy(config: TrainConfig, plans: DataSpecs) -> None:
+    """The run dir's tokenizer copy (which a resume without data.tokenizer reads) made the run's own."""
+    text = plans.train.sources[0].tokenizer_json
+    run_copy = join(config.run.dir, TOKENIZER_FILE)
+    if read_text(run_copy, config.storage) != text:
+        write_text(run_copy, text, config.storage)
 
 
 def _given_tokenizer(config: TrainConfig, sources) -> tuple[str, str] | None:

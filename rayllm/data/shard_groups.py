@@ -58,7 +58,7 @@ def group_members(plan: SourceSpec, group: int) -> list[tuple[int, int]]:
     per_epoch = groups_per_epoch(plan)
     epoch, place = divmod(group, per_epoch)
     n = len(plan.shards)
-    order = shard_order(n, plan.seed, plan.index, epoch, plan.shuffle)
+    order = shard_order(n, plan.seed, plan.order_key, epoch, plan.shuffle)
     return [(epoch, int(s)) for s in order[place * n // per_epoch : (place + 1) * n // per_epoch]]
 
 

@@ -47,6 +47,13 @@ class SourceSpec:
     on_bad_shard: str = "error"
     mix: int = 1  # shards read at once and interleaved (data.mix_shards)
     sizes: list[int] | None = None  # bytes per shard, from the listing: how the interleave paces them
+    # Seeds the shard order (default: ``index``); a resume keeps a source's key when others are
+    # removed or reordered, so its saved cursor still names the same shards (fingerprint.align).
+    shard_order_key: int | None = None
+
+    @property
+    def order_key(self) -> int:
+        return self.index if self.shard_order_key is None else self.shard_order_key
 
 
 def shard_visit(source: int, epoch: int, shard: int, cursor: tuple[int, int, int] | None = None) -> dict[str, int]:

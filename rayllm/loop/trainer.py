@@ -31,11 +31,13 @@ from rayllm.checkpoint import hf_import
 from rayllm.checkpoint.checkpointer import Checkpointer, StepAgreement
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig, check_batch_split
+from rayllm.data.fingerprint import DataFingerprint, fingerprint
 from rayllm.data.order import DataState
 from rayllm.data.prefetch import prefetched
 from rayllm.errors import RayllmError
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.loop import fault_injection as faults
+from rayllm.loop.data_resume import resume_data
 from rayllm.loop.ledger import DataLedger
 from rayllm.loop.metrics import MetricWindow, all_nodes, all_sum, plain
 from rayllm.loop.optimizer import build_optimizer, set_lr
@@ -112,6 +114,8 @@ class Trainer:
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
         self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
+        self.data_fingerprint: DataFingerprint | None = None  # what data_state means something for (fit)
+        self.data_origin = 0  # sequences trained on before the current data order began
         # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
         keeps = session.rank % self.layout.tp == 0
         self.ledger = DataLedger(len(session.train_spec.sources), keeps, config.data.record_ids)
@@ -133,9 +137,11 @@ class Trainer:
                 hf_import.load(self.model, uri, self.config.storage)
             return
         state = self.checkpointer.restore(uri, self.model, self.optimizer)
+        state = resume_data(state, self.data_fingerprint, self.config.data.on_change, uri, self._emit)
         in_memory = self.checkpointer.is_memory(uri)
         self.resumed_from = "memory" if in_memory else "storage"
         self.step, self.consumed, self.data_state = state.step, state.consumed, state.data
+        self.data_origin = state.data_origin
         self.last_metrics = state.metrics
         self.restarts = state.restarts + 1
         keeps_ids = in_memory and self.ledger.record_ids and self.ledger.keeps
@@ -153,6 +159,8 @@ class Trainer:
             world_size=self.session.world_size,
             layout=dataclasses.asdict(self.layout),
             model=self.args,
+            data_fingerprint=self.data_fingerprint,
+            data_origin=self.data_origin,
         )
 
     def _checkpoint(self, metrics: dict[str, Any], final: bool, in_memory: bool = False) -> None:
@@ -234,6 +242,7 @@ class Trainer:
             before_commit=faults.maybe_crash_before_commit,
         )
         session.phases["checkpointer"] = time.time()
+        self.data_fingerprint = fingerprint(session.train_spec)  # not in __init__: bench steps have no stream
         self.restore()
         session.phases["restored"] = time.time()
         end = min(t.max_steps, t.stop_at_step or t.max_steps)
@@ -243,7 +252,7 @@ class Trainer:
             self.checkpointer.close()
             return self.last_metrics
         fpt, peak_flops = self._announce_start()
-        batches = prefetched(session.train_batches(self.data_state, self.consumed, self.layout.tp))
+        batches = prefetched(session.train_batches(self.data_state, self.consumed - self.data_origin, self.layout.tp))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
         validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
         if self.step == 0 and (val := validator.loss()) is not None:

@@ -27,6 +27,7 @@ from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.loop import fault_injection as faults
+from rayllm.loop.data_resume import check_resume_data
 from rayllm.loop.trainer import import_init_weights
 from rayllm.parallel.layout import usable_world_sizes
 from rayllm.ray_cluster import connect_ray, node_affinity, pinned_actor
@@ -177,7 +178,7 @@ def _prepare_run(config: TrainConfig, log):
     """Before Ray: the config resolved (model.init_from's shape and tokenizer, read once, here on the
     driver), the data plans, model.init_from's weights, and the resolved config in run.dir."""
     resolve(config)
-    plans = prepare_data(config, log=log)
+    plans = check_resume_data(config, prepare_data(config, log=log), log)  # changed data refused here
     import_init_weights(config, log)
     write_text(join(config.run.dir, "config.yaml"), config.to_redacted_yaml(), config.storage)
     return plans

@@ -219,6 +219,24 @@ class RunMonitor:
             self.skipped.append(entry)
             print(f"[rayllm] warning: skipped shard {entry['uri']}: {entry['error']}", file=sys.stderr, flush=True)
 
+    def _on_data_changed(self, event: events.DataChanged, record: dict[str, Any]) -> None:
+        def names(sources: list[str]) -> str:
+            return ", ".join(repr(name) for name in sources)
+
+        which = (
+            f"{names(event.restarted)} from the beginning, {names(event.kept)} where they were"
+            if event.restarted and event.kept
+            else "every source from its beginning"
+            if event.restarted
+            else "every source where it was"
+        )
+        text = (
+            f"data changed since {event.checkpoint}: {', '.join(event.changes)}; data.on_change=restart: "
+            f"a new data order starts at step {event.step}, {which}"
+        )
+        self.tracker.log_text(text, "data_changes", event.step)
+        self.say(f"[rayllm] {text}")
+
     def _on_done(self, event: events.Done, record: dict[str, Any]) -> None:
         self.val_loss = event.metrics.get("val_loss", self.val_loss)
 
@@ -238,6 +256,7 @@ class RunMonitor:
         events.Val: _on_val,
         events.Samples: _on_samples,
         events.Skipped: _on_skipped,
+        events.DataChanged: _on_data_changed,
         events.Done: _on_done,
     }
 

@@ -26,6 +26,7 @@ from rayllm.data.discover import DataSpecs, prepare_data
 from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
 from rayllm.errors import RayllmError
 from rayllm.io.storage import is_remote
+from rayllm.loop.data_resume import check_resume_data
 from rayllm.loop.trainer import Trainer, import_init_weights
 from rayllm.parallel.process_group import init_group, local_device
 from rayllm.runtime.monitor import RunMonitor
@@ -103,6 +104,9 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
         dist.barrier()
         if rank != 0:
             plans = prepare_data(config, log=lambda *_: None)
+        # Every process checks the data against the checkpoint (and raises alike); rank 0 says so.
+        say = (lambda *_: None) if quiet or rank else (lambda text: print(f"[rayllm] {text}"))
+        plans = check_resume_data(config, plans, say, keeps_tokenizer=rank == 0)
         monitor = RunMonitor(config, quiet=quiet) if rank == 0 else None
         try:
             metrics = Trainer(config, LocalSession(config, plans, monitor)).fit()

@@ -68,11 +68,14 @@ def test_the_train_state_keeps_its_json_and_reads_older_checkpoints():
         "world_size",
         "layout",
         "model",
+        "data_fingerprint",
+        "data_origin",
     ]
     assert TrainState.from_json(raw) == state
     old = {"step": 3, "consumed": 24, "data": None, "an_old_key": 1}  # no model, counts or layout
     restored = TrainState.from_json(old, "old")
     assert (restored.step, restored.data, restored.model) == (3, DataState(), None)
+    assert (restored.data_fingerprint, restored.data_origin) == (None, 0)  # no fingerprint: not checked
     with pytest.raises(Exception, match="does not say its model's shape"):
         restored.model_args("old")
 
