@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayllm.data.order import DataState, StreamSpec
+from rayllm.io.redact import display_uri
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,10 @@ def _hash(text: str) -> str:
 
 
 def _listing(shards: list[str], sizes: list[int] | None) -> str:
-    """Names relative to the source's folder, so the same shards moved to another bucket are the same."""
+    """Names relative to the source's folder, so the same shards moved to another bucket are the same;
+    as shown (io.redact): the driver holds signed URLs whole, the ranks as shown, and a re-signed
+    URL names the same shard."""
+    shards = [display_uri(s) for s in shards]
     folder = posixpath.commonpath([s.split("://", 1)[-1] for s in shards]) if len(shards) > 1 else ""
     names = [s.split("://", 1)[-1][len(folder) :] if folder else posixpath.basename(s) for s in shards]
     return _hash(json.dumps([names, list(sizes or [])]))
