@@ -44,6 +44,7 @@ KEYS = {
     "stopped": ["step"],  # trainer.py
     "first_step": ["step", "phases", "stream_kept"],  # trainer.py
     "skipped": ["step", "shards"],  # trainer.py
+    "dropped": ["step", "records"],  # trainer.py
     "done": ["step"],  # trainer.py: step, **the last checkpoint's metrics
     "resize": ["step", "from", "to"],  # monitor.py
 }
@@ -89,6 +90,7 @@ CASES = [
     (events.Stopped(step=12), []),
     (events.FirstStep(step=1, phases={"model": 1.0, "batch": 2.0}, stream_kept=None), []),
     (events.Skipped(step=3, shards=[SHARD]), []),
+    (events.Dropped(step=3, records={"demo": {"not_text": 2, "too_long": 1}}), []),
     (events.Done(step=0), []),  # max_steps 0: no checkpoint, no metrics
     (events.Done(step=20, metrics={**TRAIN, "val_loss": 4.4}), [*TRAIN_KEYS[1:], "val_loss"]),
     (events.Done(step=25, metrics={**TRAIN, "val_loss": 4.4}), [*TRAIN_KEYS[1:], "val_loss"]),  # logged at 20
@@ -101,7 +103,7 @@ def _json(value) -> str:  # NaN as JSON writes it (NaN != NaN)
 
 
 def test_every_kind_has_an_event_and_a_case():
-    assert set(events.KINDS) == set(KEYS) and len(events.EVENTS) == len(KEYS) == 16
+    assert set(events.KINDS) == set(KEYS) and len(events.EVENTS) == len(KEYS) == 17
     assert {event.kind for event, _ in CASES} == set(KEYS)
 
 
