@@ -141,7 +141,6 @@ def _start_stream(config: TrainConfig, plans):
     t = config.train
     keep_behind = max(t.checkpoint_every, 2 * (t.memory_checkpoint_every or 0)) + PREFETCHED_STEPS
     return start_server(
-        plans.train,
         global_batch=t.global_batch_size,
         tokenize_tasks=config.data.tokenize_tasks,
         keep_behind=keep_behind,

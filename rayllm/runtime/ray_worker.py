@@ -80,6 +80,7 @@ class RaySession:
                 self.world_size // ranks_per_slice,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
                 slices_per_object(nodes, ranks_per_slice),
+                self.train_spec,  # the run's plan: a server Ray restarted has it only from here
             )
             kept[0] = _answer(begin, self.config.data.wait_timeout_s)
         if self.world_size > 1:
