@@ -240,6 +240,15 @@ class DataChanged(RunEvent):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Dropped(RunEvent):
+    """Rank 0, at a step whose batches left records out (text no string, empty, over
+    data.max_document_bytes with data.on_bad_shard: skip), and at an attempt's first step when some were."""
+
+    kind: ClassVar[str] = "dropped"
+    records: dict[str, dict[str, int]]  # so far: source name -> reason (not_text, empty, too_long) -> count
+
+
+@dataclass(frozen=True, kw_only=True)
 class Done(RunEvent):
     """Rank 0, when a run starts at or past its last step: nothing to train; its latest checkpoint's metrics."""
 
@@ -280,6 +289,7 @@ EVENTS: tuple[type[RunEvent], ...] = (
     FirstStep,
     Skipped,
     DataChanged,
+    Dropped,
     Done,
     Resize,
 )

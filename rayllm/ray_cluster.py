@@ -52,8 +52,23 @@ def connect_ray(address: str | None, cpus: float) -> None:
         include_dashboard=True,  # Ray Train's controller queries the state API it serves
         dashboard_host="127.0.0.1",
         logging_level="WARNING",
+        _system_config={"worker_maximum_startup_concurrency": startup_concurrency(num_cpus)},
     )
     _connected = {"session": _session(), "address": None, "cpus": num_cpus}
+
+
+# The raylet warns once its Python worker processes (started or running) reach 4x its expected
+# startup concurrency, max(CPUs, worker_maximum_startup_concurrency) (raylet/worker_pool.cc): 8 on
+# a 2-core machine. A run has about a dozen there at once, most of them zero-CPU and so not bounded
+# by the CPUs: the driver's actors (control, stream server, record queue, a relay and a keeper per
+# node), Ray Train's controller and preemption watcher, a training worker per CPU, and Ray Data's
+# reading and tokenize tasks. Starting up to this many at once keeps the warning for a real excess.
+LOCAL_STARTUP_CONCURRENCY = 8
+
+
+def startup_concurrency(cpus: float) -> int:
+    """How many worker processes rayllm's local Ray starts at once (its warning comes at 4x)."""
+    return max(int(cpus), LOCAL_STARTUP_CONCURRENCY)
 
 
 def machine_cpus() -> int:

@@ -141,7 +141,8 @@ class Consumer:
         relays = {}
         for rank in ranks:
             if rank // group not in relays:
-                relays[rank // group] = NodeRelay(server, f"node-{rank // group}")
+                relays[rank // group] = NodeRelay(f"node-{rank // group}")
+                await relays[rank // group].attach(server)
         waits: list[float] = []
         tokens = 0
         warm = asyncio.Event()
@@ -211,9 +212,9 @@ def _one(design: str, plan: StreamSpec | int, world: int, steps: int, consumers:
         server = (
             ray.remote(_object_store_server())
             .options(num_cpus=0, max_concurrency=10_000)
-            .remote(plan, global_batch, parallelism, 0, SERVER_DEPTH)
+            .remote(global_batch, parallelism, 0, SERVER_DEPTH)
         )
-        ray.get(server.begin.remote(1, DataState().to_dict(), 0, world, world, per_node), timeout=120)
+        ray.get(server.begin.remote(1, DataState().to_dict(), 0, world, world, per_node, plan), timeout=120)
     # Whole nodes per consumer process, as a node's ranks share its relay.
     nodes = [list(range(n, min(world, n + per_node))) for n in range(0, world, per_node)]
     actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, len(nodes)))]

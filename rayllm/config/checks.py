@@ -89,6 +89,10 @@ RANGES: dict[str, tuple[Range, str]] = {
     "data.shuffle_window": (_COUNT, "set sequences per shuffle window, for example 4096 (1 turns shuffling off)"),
     "data.mix_shards": (_COUNT, "set shards read at once per source, for example 32 (1 reads one at a time)"),
     "data.tokenize_tasks": (Range(0), "set the most tokenize tasks per reading task, for example 8 (0: none)"),
+    "data.max_document_bytes": (
+        Range(1024),
+        "set the most bytes one document (a jsonl line, a .txt shard) may take, for example 67108864 (64 MiB)",
+    ),
     "data.wait_timeout_s": (_SECONDS, "set how long a rank waits for its next batch, for example 300"),
     "model.dim": (_COUNT, "set the model width, for example 256"),
     "model.n_layers": (_COUNT, "set the number of transformer blocks, for example 4"),

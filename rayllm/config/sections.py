@@ -56,6 +56,10 @@ class DataSettings:
     # weights or the sources themselves): "refuse" stops naming what changed; "restart" starts a new
     # data order there (the changed sources from their beginning) and says so (docs/data.md).
     on_change: str = "refuse"
+    # The most bytes one document may take: a jsonl line (after decompression) or a whole .txt shard.
+    # A longer one, such as a newline-less file or a compressed bomb, is stopped there, never read
+    # whole: an error naming the shard, or with on_bad_shard: skip left out and counted.
+    max_document_bytes: int = 64 << 20
     # How long a rank waits for its next batch from the data stream before the attempt fails
     # with an error naming the wait (a stalled or lost stream server); the run then restarts
     # from its latest checkpoint.

@@ -19,7 +19,7 @@ from rayllm.data import tokenizer as tok
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.data.order import StreamSpec
 from rayllm.data.shard_groups import local_chunks
-from rayllm.data.shards import iter_documents, iter_token_documents
+from rayllm.data.shards import ReadLimits, iter_documents, iter_token_documents
 from rayllm.data.source import SourceSpec
 from rayllm.errors import DataError
 from rayllm.io.redact import display_uri
@@ -112,7 +112,7 @@ def prepare_data(config: TrainConfig, log=print) -> DataSpecs:
     samples = []
     for src in sources:
         limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / sum(s.weight for s in sources)))
-        sample = _sample_documents(src.shards, src.text_field, storage, limit, src.pretokenized)
+        sample = _sample_documents(src.shards, src.text_field, storage, limit, src.pretokenized, _limits(d))
         if not sample:
             where = "data.train" if len(sources) == 1 else f"data source {src.name!r}"
             what = "token" if src.pretokenized else f"non-empty {src.text_field!r}"
@@ -159,6 +159,7 @@ def prepare_data(config: TrainConfig, log=print) -> DataSpecs:
                 on_bad_shard=d.on_bad_shard,
                 mix=d.mix_shards,
                 sizes=src.sizes,
+                max_document_bytes=d.max_document_bytes,
             )
         )
     train = StreamSpec(sources=plans, window=d.shuffle_window, seed=config.train.seed)
@@ -176,6 +177,7 @@ def prepare_data(config: TrainConfig, log=print) -> DataSpecs:
             shuffle=False,
             repeat=False,
             on_bad_shard=d.on_bad_shard,
+            max_document_bytes=d.max_document_bytes,
         )
         val = StreamSpec(sources=[val_source], window=d.shuffle_window, seed=0)
         _check_val_size(val_source, config.train.global_batch_size)
@@ -218,7 +220,7 @@ def train_tokenizer(
         if src.pretokenized:
             continue  # token ids, no text to learn from
         limit = max(1, math.ceil(d.tokenizer_sample_docs * src.weight / total))
-        sample += _sample_documents(src.shards, src.text_field, config.storage, limit)
+        sample += _sample_documents(src.shards, src.text_field, config.storage, limit, limits=_limits(d))
         shards += src.shards
     if not sample:
         raise DataError(f"data.train holds no non-empty {d.text_field!r} documents to train a tokenizer on")
@@ -228,7 +230,18 @@ def train_tokenizer(
     return {"output": output, "vocab_size": tokenizer.get_vocab_size(), "documents": len(sample), "shards": len(shards)}
 
 
-def _sample_documents(shards: list[str], text_field: str, storage, limit: int, pretokenized: bool = False) -> list:
+def _limits(d) -> ReadLimits:
+    return ReadLimits(d.max_document_bytes, skip_too_long=d.on_bad_shard == "skip")
+
+
+def _sample_documents(
+    shards: list[str],
+    text_field: str,
+    storage,
+    limit: int,
+    pretokenized: bool = False,
+    limits: ReadLimits | None = None,
+) -> list:
     """Up to ``limit`` documents (texts, or token id lists for pre-tokenised shards) taken
     round-robin from the shards (reads only what it keeps)."""
     # Shards spread over the listing first, then the rest only while the sample is short:
@@ -240,7 +253,7 @@ def _sample_documents(shards: list[str], text_field: str, storage, limit: int, p
     chars = 0
     for uri in itertools.chain(spread, (u for u in shards if u not in chosen)):
         documents = (iter_token_documents(uri, storage) if pretokenized else None) or iter_documents(
-            uri, text_field, storage
+            uri, text_field, storage, limits
         )
         for doc in itertools.islice(documents, per_shard):
             sample.append(doc)

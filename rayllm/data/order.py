@@ -26,6 +26,7 @@ from rayllm.data.source import SourceSpec, to_records
 from rayllm.errors import DataError
 
 UNSHUFFLED_UNIT = 1024  # positions assembled at a time when shuffling is off
+RECENT_VISITS = 1024  # shard visits whose left-out records a data state remembers as counted
 
 
 @dataclass
@@ -35,24 +36,63 @@ class DataState:
     position: int = 0
     cursors: list[list[int] | None] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    # Records left out so far (no string, empty, too long), per source name and reason, and the
+    # latest shard visits counted in them (a restart meets those again: DropTally).
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    dropped_visits: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "cursors": self.cursors, "skipped": self.skipped}
+        extra = {"dropped": self.dropped, "dropped_visits": self.dropped_visits} if self.dropped else {}
+        return {"position": self.position, "cursors": self.cursors, "skipped": self.skipped, **extra}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> DataState:
         raw = raw or {}
-        return cls(raw.get("position", 0), list(raw.get("cursors", [])), list(raw.get("skipped", [])))
+        return cls(
+            raw.get("position", 0),
+            list(raw.get("cursors", [])),
+            list(raw.get("skipped", [])),
+            {name: dict(counts) for name, counts in raw.get("dropped", {}).items()},
+            [list(v) for v in raw.get("dropped_visits", [])],
+        )
 
     def cursor(self, source: int, plan: SourceSpec) -> Cursor | None:
         return cursor_from_state(self.cursors[source] if source < len(self.cursors) else None, plan)
 
 
+class DropTally:
+    """Records left out per source and reason, each shard visit counted once: a restart refills the
+    window it resumes from and meets the visits counted there again (kept: the latest RECENT_VISITS)."""
+
+    def __init__(self, state: DataState):
+        self.totals = {name: dict(counts) for name, counts in state.dropped.items()}
+        self.visits = [tuple(v) for v in state.dropped_visits]
+
+    def add(self, name: str, entry: dict[str, Any]) -> None:
+        visit = (entry["source"], entry["epoch"], entry["shard"])
+        if visit in self.visits:
+            return
+        self.visits = [*self.visits, visit][-RECENT_VISITS:]
+        counts = self.totals.setdefault(name, {})
+        for reason, n in entry["dropped"].items():
+            counts[reason] = counts.get(reason, 0) + n
+
+    def stamp(self, state: DataState) -> None:
+        state.dropped = {name: dict(counts) for name, counts in self.totals.items()}
+        state.dropped_visits = [list(v) for v in self.visits]
+
+
 class SourceReader:
     """Takes rows of one source on demand and remembers the cursor of the last row taken."""
 
-    def __init__(self, batches: Iterator[dict[str, np.ndarray]], cursor, on_skip: Callable[[dict], None]):
-        self._batches, self.cursor, self._on_skip = batches, cursor, on_skip
+    def __init__(
+        self,
+        batches: Iterator[dict[str, np.ndarray]],
+        cursor,
+        on_skip: Callable[[dict], None],
+        on_drop: Callable[[dict], None] = lambda entry: None,
+    ):
+        self._batches, self.cursor, self._on_skip, self._on_drop = batches, cursor, on_skip, on_drop
         self._buffer: list[np.ndarray] = []
         self._have = 0
         self.exhausted = False
@@ -64,9 +104,11 @@ class SourceReader:
             except StopIteration:
                 self.exhausted = True
                 break
-            rows, skipped = to_records(batch)
+            rows, skipped, dropped = to_records(batch)
             for s in skipped:
                 self._on_skip(s)
+            for d in dropped:
+                self._on_drop(d)
             if len(rows):
                 self._buffer.append(rows)
                 self._have += len(rows)
@@ -87,6 +129,7 @@ def global_windows(
     seed: int,
     state: DataState,
     skipped: list[dict],
+    tally: DropTally | None = None,
 ) -> Iterator[tuple[np.ndarray, DataState]]:
     """Windows of the global stream from ``state.position``, each with the state at its start."""
     shuffle = window > 1
@@ -105,6 +148,8 @@ def global_windows(
         # Skips found while filling this window are reported with it; a restart from its start
         # meets them again and counts each once.
         meta.skipped = list(skipped)
+        if tally is not None:
+            tally.stamp(meta)
         if shuffle and len(rows):
             rows = rows[np.random.default_rng([seed, k]).permutation(len(rows))]
         if len(rows):
@@ -221,9 +266,16 @@ def open_stream(
         ):
             skipped.append(entry)
 
+    tally = DropTally(state)
+
+    def on_drop(entry: dict) -> None:
+        tally.add(plan.sources[entry["source"]].name, entry)
+
     cursors = [state.cursor(i, src) for i, src in enumerate(plan.sources)]
-    readers = [SourceReader(chunks(src, c), c, on_skip) for src, c in zip(plan.sources, cursors, strict=True)]
-    windows = global_windows(readers, plan.weights, window=plan.window, seed=plan.seed, state=state, skipped=skipped)
+    readers = [SourceReader(chunks(src, c), c, on_skip, on_drop) for src, c in zip(plan.sources, cursors, strict=True)]
+    windows = global_windows(
+        readers, plan.weights, window=plan.window, seed=plan.seed, state=state, skipped=skipped, tally=tally
+    )
     return step_batches(windows, start=consumed, global_batch=global_batch)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,19 +13,57 @@ from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem
 
+DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20  # data.max_document_bytes's default
+READ_BYTES = 1 << 20  # what one read takes from a shard, before or after decompression
+# zstd's largest expansion: a 128 KiB block of one repeated byte is stored in 4 bytes. Fed at most
+# max_document_bytes / ZSTD_MAX_RATIO compressed bytes at a time, the decoder gives at most the bound.
+ZSTD_MAX_RATIO = 1 << 15
+DROP_REASONS = ("not_text", "empty", "too_long")
 
-def iter_documents(uri: str, text_field: str, storage: StorageSettings) -> Iterator[str]:
-    """Yield each document's text; raise DataError naming the shard when it cannot be read."""
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """What one document may take (data.max_document_bytes), and whether a longer one is left out and
+    counted (data.on_bad_shard: skip) or an error naming the shard. Nothing longer is ever held whole:
+    a newline-less file or a compressed bomb is stopped once past the bound."""
+
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    skip_too_long: bool = False
+
+
+@dataclass
+class Dropped:
+    """Records of a shard left out, by reason (DROP_REASONS), counted per source for the user."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+
+    def add(self, reason: str) -> None:
+        self.counts[reason] += 1
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def iter_documents(
+    uri: str,
+    text_field: str,
+    storage: StorageSettings,
+    limits: ReadLimits | None = None,
+    dropped: Dropped | None = None,
+) -> Iterator[str]:
+    """Yield each document's text; raise DataError naming the shard when it cannot be read. Records
+    left out (a text value that is no string or is empty; one over ``limits`` when skipping) are
+    counted in ``dropped``."""
     fs, path = filesystem(uri, storage)
     name = path.lower()
+    limits, dropped = limits or ReadLimits(), dropped if dropped is not None else Dropped()
     try:
         if name.endswith(".parquet"):
-            yield from _parquet_documents(fs, path, uri, text_field)
+            yield from _parquet_documents(fs, path, uri, text_field, limits, dropped)
         elif name.endswith(".txt"):
-            with fs.open(path, "rb") as f:
-                yield _decode(f.read(), uri)
+            yield from _txt_documents(fs, path, uri, limits, dropped)
         else:
-            yield from _jsonl_documents(fs, path, uri, text_field)
+            yield from _jsonl_documents(fs, path, uri, text_field, limits, dropped)
     except DataError:
         raise
     except FileNotFoundError:
@@ -48,44 +87,124 @@ def _decode(raw: bytes, uri: str) -> str:
         raise DataError(f"shard {display_uri(uri)} is not valid UTF-8 ({e}); re-encode it as UTF-8") from None
 
 
-def _zstd_lines(fs, path: str, uri: str) -> Iterator[bytes]:
-    """Lines of a .zst file, frame by frame; a file cut short mid-frame is an error.
+def _too_long(uri: str, where: str, limit: int) -> DataError:
+    return DataError(
+        f"shard {display_uri(uri)} {where} is longer than data.max_document_bytes ({limit:,} bytes): a file without "
+        "newlines or a compressed bomb? Fix or remove the shard, raise data.max_document_bytes, or set "
+        "data.on_bad_shard: skip to leave such documents out (counted)"
+    )
 
-    zstandard's stream reader returns a truncated frame's bytes without complaint, so
-    frames are decoded here with ``decompressobj`` and checked for their end.
+
+def _txt_documents(fs, path: str, uri: str, limits: ReadLimits, dropped: Dropped) -> Iterator[str]:
+    """A .txt shard is one document: read up to the bound and no further."""
+    limit = limits.max_document_bytes
+    with fs.open(path, "rb") as f:
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        if not limits.skip_too_long:
+            raise _too_long(uri, "(one document)", limit)
+        dropped.add("too_long")
+        return
+    text = _decode(raw, uri)
+    if text:
+        yield text
+    else:
+        dropped.add("empty")
+
+
+def _zstd_chunks(fs, path: str, uri: str, limit: int) -> Iterator[bytes]:
+    """A .zst file's bytes, decompressed a bounded piece at a time; a file cut short mid-frame is an error.
+
+    zstandard's stream reader returns a truncated frame's bytes without complaint, and its
+    ``decompressobj`` has no output limit, so frames are decoded here, fed a few compressed bytes
+    at a time (at most ``limit`` out per feed), and checked for their end.
     """
     import zstandard
 
-    pending, in_frame = b"", False
+    feed = max(64, min(READ_BYTES, limit // ZSTD_MAX_RATIO))
+    in_frame = False
     decoder = zstandard.ZstdDecompressor().decompressobj()
     with fs.open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            while chunk:
-                pending += decoder.decompress(chunk)
-                in_frame = not decoder.eof
-                chunk = decoder.unused_data if decoder.eof else b""
-                if decoder.eof:
-                    decoder = zstandard.ZstdDecompressor().decompressobj()
-            *lines, pending = pending.split(b"\n")
-            yield from lines
+        while chunk := f.read(READ_BYTES):
+            view = memoryview(chunk)
+            for lo in range(0, len(view), feed):
+                piece = bytes(view[lo : lo + feed])
+                while piece:
+                    out = decoder.decompress(piece)
+                    in_frame = not decoder.eof
+                    piece = decoder.unused_data if decoder.eof else b""
+                    if decoder.eof:
+                        decoder = zstandard.ZstdDecompressor().decompressobj()
+                    if out:
+                        yield out
     if in_frame:
         raise DataError(
             f"shard {display_uri(uri)} is truncated (its zstd stream ends mid-frame); re-upload or remove it"
         )
-    if pending:
-        yield pending
 
 
-def _lines(fs, path: str, uri: str) -> Iterator[bytes]:
+def _chunks(fs, path: str, uri: str, limit: int) -> Iterator[bytes]:
+    """A shard's bytes, decompressed, READ_BYTES at most at a time (gzip, bz2, xz through fsspec)."""
     if path.lower().endswith(".zst"):
-        yield from _zstd_lines(fs, path, uri)
+        yield from _zstd_chunks(fs, path, uri, limit)
         return
     with fs.open(path, "rb", compression="infer") as f:
-        yield from f
+        while chunk := f.read(READ_BYTES):
+            yield chunk
 
 
-def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
-    for lineno, raw in enumerate(_lines(fs, path, uri), start=1):
+def _lines(chunks: Iterator[bytes], uri: str, limits: ReadLimits, dropped: Dropped) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a byte stream; a line over the bound is never held whole: an error
+    naming the shard and line, or (skipping) let stream past and counted.
+
+    Written by hand: a file object's readline holds a newline-less file whole."""
+    limit = limits.max_document_bytes
+    pending: list[bytes] = []
+    have, lineno, over = 0, 1, False
+    for chunk in chunks:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if not over and have + len(piece) > limit:
+                if not limits.skip_too_long:
+                    raise _too_long(uri, f"line {lineno}", limit)
+                over, pending, have = True, [], 0
+            if not over and piece:
+                pending.append(piece)
+                have += len(piece)
+            if end < 0:
+                break
+            if over:
+                dropped.add("too_long")
+            else:
+                yield lineno, b"".join(pending)
+            pending, have, lineno, over, start = [], 0, lineno + 1, False, end + 1
+    if over:
+        dropped.add("too_long")
+    elif have:
+        yield lineno, b"".join(pending)
+
+
+def _text_of(value, dropped: Dropped, limits: ReadLimits, uri: str, where: str) -> str | None:
+    """A record's text, or None (counted) when it is no string, is empty, or (skipping) is too long."""
+    if not isinstance(value, str):
+        dropped.add("not_text")
+        return None
+    if not value:
+        dropped.add("empty")
+        return None
+    if len(value) > limits.max_document_bytes:  # characters: at least as many bytes
+        if not limits.skip_too_long:
+            raise _too_long(uri, where, limits.max_document_bytes)
+        dropped.add("too_long")
+        return None
+    return value
+
+
+def _jsonl_documents(fs, path: str, uri: str, text_field: str, limits: ReadLimits, dropped: Dropped) -> Iterator[str]:
+    chunks = _chunks(fs, path, uri, limits.max_document_bytes)
+    for lineno, raw in _lines(chunks, uri, limits, dropped):
         if not raw.strip():
             continue
         try:
@@ -99,12 +218,12 @@ def _jsonl_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
                 f"shard {display_uri(uri)} line {lineno} has no {text_field!r} field; set data.text_field to the "
                 f"field that holds the text"
             )
-        text = record[text_field]
-        if isinstance(text, str) and text:
+        text = _text_of(record[text_field], dropped, limits, uri, f"line {lineno}")
+        if text is not None:
             yield text
 
 
-def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str]:
+def _parquet_documents(fs, path: str, uri: str, text_field: str, limits: ReadLimits, dropped: Dropped) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     with fs.open(path, "rb") as f:
@@ -114,9 +233,12 @@ def _parquet_documents(fs, path: str, uri: str, text_field: str) -> Iterator[str
                 f"shard {display_uri(uri)} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
                 f"set data.text_field"
             )
+        row = 0
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                if isinstance(text, str) and text:
+            for value in batch.column(0).to_pylist():
+                row += 1
+                text = _text_of(value, dropped, limits, uri, f"row {row}")
+                if text is not None:
                     yield text
 
 

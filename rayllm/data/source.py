@@ -20,7 +20,14 @@ import numpy as np
 from rayllm.data import tokenizer as tok
 from rayllm.data.encode import InProcess, TokenizePool, read_ahead
 from rayllm.data.packing import pack
-from rayllm.data.shards import iter_documents, iter_token_documents
+from rayllm.data.shards import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    DROP_REASONS,
+    Dropped,
+    ReadLimits,
+    iter_documents,
+    iter_token_documents,
+)
 from rayllm.errors import DataError
 from rayllm.io.settings import StorageSettings
 
@@ -55,6 +62,12 @@ class SourceSpec:
     def order_key(self) -> int:
         return self.index if self.shard_order_key is None else self.shard_order_key
 
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES  # data.max_document_bytes
+
+    @property
+    def limits(self) -> ReadLimits:
+        return ReadLimits(self.max_document_bytes, skip_too_long=self.on_bad_shard == "skip")
+
 
 def shard_visit(source: int, epoch: int, shard: int, cursor: tuple[int, int, int] | None = None) -> dict[str, int]:
     """One visit of a shard; with ``cursor`` (the last sequence already taken from it), the visit
@@ -75,25 +88,28 @@ class ShardPacker:
         self.tokenizer = tok.load(plan.tokenizer_json, "of this run")
         self.eos = tok.eos_id(self.tokenizer)
 
-    def _documents(self, uri: str, first_doc: int, first_token: int) -> Iterator[tuple[int, list[int]]]:
-        """(document index, token ids) from ``first_doc`` on; earlier documents are read, not tokenized."""
+    def _documents(self, uri: str, first_doc: int, dropped: Dropped) -> Iterator[tuple[int, list[int]]]:
+        """(document index, token ids) from ``first_doc`` on; earlier documents are read, not tokenized.
+        The records left out of the whole shard, those before ``first_doc`` too, are counted in ``dropped``."""
         pre = iter_token_documents(uri, self.plan.storage)
         if pre is not None:  # a pre-tokenised shard (rayllm prepare): no tokenizer needed
             yield from itertools.islice(enumerate(pre), first_doc, None)
             return
-        docs = itertools.islice(
-            enumerate(iter_documents(uri, self.plan.text_field, self.plan.storage)), first_doc, None
-        )
+        texts = iter_documents(uri, self.plan.text_field, self.plan.storage, self.plan.limits, dropped)
+        docs = itertools.islice(enumerate(texts), first_doc, None)
         yield from read_ahead(docs, self.pool or InProcess(), self._encode_here)
 
     def _encode_here(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def rows(self, item: dict[str, int], chunk: int = 256) -> Iterator[dict[str, np.ndarray]]:
+        """The visit's rows; then, where records were left out, a marker row counting them (once the
+        whole shard is read, so a visit restarted mid-shard counts the same)."""
         uri = self.plan.shards[item["shard"]]
         start = int(item["index"])
+        dropped = Dropped()
         try:
-            documents = self._documents(uri, int(item["doc"]), int(item["doc_token"]))
+            documents = self._documents(uri, int(item["doc"]), dropped)
             for blocks, docs, offsets in pack(
                 documents, self.eos, self.plan.seq_len + 1, chunk=chunk, first_offset=item["doc_token"]
             ):
@@ -106,11 +122,17 @@ class ShardPacker:
         except DataError as e:
             if self.plan.on_bad_shard != "skip":
                 raise
-            yield _skip_marker(item, self.plan.seq_len + 1, f"{e}")
+            yield _marker(item, self.plan.seq_len + 1, f"{e}", dropped)
+            return
+        if dropped.total():
+            yield _marker(item, self.plan.seq_len + 1, "", dropped)
 
 
-def _columns(item, blocks, index, docs, offsets, error: str = "") -> dict[str, np.ndarray]:
+def _columns(item, blocks, index, docs, offsets, error: str = "", dropped: Dropped | None = None) -> dict:
     n = len(blocks)
+    counts = np.zeros((n, len(DROP_REASONS)), dtype=np.int64)
+    if dropped is not None:
+        counts[:] = [dropped.counts[r] for r in DROP_REASONS]
     return {
         "tokens": blocks,
         "source": np.full(n, item["source"], dtype=np.int32),
@@ -120,13 +142,15 @@ def _columns(item, blocks, index, docs, offsets, error: str = "") -> dict[str, n
         "doc": docs,
         "doc_token": offsets,
         "error": np.array([error] * n, dtype=object),
+        "dropped": counts,  # per DROP_REASONS: records of the shard left out (marker rows only)
     }
 
 
-def _skip_marker(item, block: int, message: str) -> dict[str, np.ndarray]:
-    """One row with index -1 that tells the stream a shard was skipped (and why)."""
+def _marker(item, block: int, message: str, dropped: Dropped) -> dict[str, np.ndarray]:
+    """One row with index -1 that tells the stream a shard was skipped (``message``: why) or that
+    records of it were left out (``dropped``)."""
     one = np.zeros((1, block), dtype=np.int32)
-    return _columns(item, one, np.array([-1]), np.array([0]), np.array([0]), error=message)
+    return _columns(item, one, np.array([-1]), np.array([0]), np.array([0]), error=message, dropped=dropped)
 
 
 RECORD_DTYPE_FIELDS = [
@@ -141,26 +165,26 @@ RECORD_DTYPE_FIELDS = [
 ]
 
 
-def to_records(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list[dict]]:
-    """Columns to one structured array (tokens + id + cursor per row) and the shards skipped.
+def to_records(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, list[dict], list[dict]]:
+    """Columns to one structured array (tokens + id + cursor per row), the shards skipped, and the
+    shard visits that left records out ({"source", "epoch", "shard", "dropped": {reason: count}}).
 
     One array keeps each sequence's id attached through mixing, shuffling and rank slicing.
     """
     tokens = np.asarray(batch["tokens"])
     marker = np.asarray(batch["index"]) < 0
-    skipped = [
-        {
-            "source": int(batch["source"][i]),
-            "epoch": int(batch["epoch"][i]),
-            "shard": int(batch["shard"][i]),
-            "error": str(batch["error"][i]),
-        }
-        for i in np.flatnonzero(marker)
-    ]
+    skipped, dropped = [], []
+    for i in np.flatnonzero(marker):
+        visit = {"source": int(batch["source"][i]), "epoch": int(batch["epoch"][i]), "shard": int(batch["shard"][i])}
+        if str(batch["error"][i]):
+            skipped.append({**visit, "error": str(batch["error"][i])})
+        counts = np.asarray(batch["dropped"][i])
+        if counts.any():
+            dropped.append({**visit, "dropped": {r: int(c) for r, c in zip(DROP_REASONS, counts, strict=True) if c}})
     keep = ~marker
     dtype = [("tokens", np.int32, tokens.shape[1:]), *RECORD_DTYPE_FIELDS]
     rows = np.empty(int(keep.sum()), dtype=dtype)
     rows["tokens"] = tokens[keep]
     for name, _ in RECORD_DTYPE_FIELDS:
         rows[name] = np.asarray(batch[name])[keep]
-    return rows, skipped
+    return rows, skipped, dropped

@@ -353,6 +353,8 @@ class Trainer:
         loss, grad_norm = self.train_step(rows)
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
             self._emit(events.Skipped(step=self.step, shards=skipped))
+        if data_state.dropped != self.data_state.dropped or (first and data_state.dropped):
+            self._emit(events.Dropped(step=self.step, records=data_state.dropped))
         self.data_state = data_state
         if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
             phases = {**self.session.phases, "batch": batch_at}

@@ -44,9 +44,12 @@ class RunControl:
         self._peak_flops[world_size] = flops
 
     def relay(self, node: str, server):
-        """``node``'s data relay for ``server``: created on the first ask, then the same one at every attempt."""
+        """``node``'s data relay for ``server``: created on the first ask, then the same one at every
+        attempt, attached to the server at each ask (a relay Ray restarted comes back without it; its
+        ranks' calls, which come after this one, wait for it)."""
         if node not in self._relays:
-            self._relays[node] = node_relay(server, f"rayllm-{self._run}", node)
+            self._relays[node] = node_relay(f"rayllm-{self._run}", node)
+        self._relays[node].attach.remote(server)
         return self._relays[node]
 
     def watch_node(self, node: str, settings: WatchSettings) -> None:

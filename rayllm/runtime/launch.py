@@ -33,7 +33,7 @@ from rayllm.parallel.layout import usable_world_sizes
 from rayllm.ray_cluster import connect_ray, node_affinity, pinned_actor
 from rayllm.runtime.control import RunControl
 from rayllm.runtime.failure_policy import failure_message
-from rayllm.runtime.monitor import RunMonitor
+from rayllm.runtime.monitor import RestartTiming, RunMonitor, dropped_text
 from rayllm.runtime.room import run_cpus, wait_for_room, worker_bundle
 from rayllm.runtime.signals import StopSignals
 
@@ -53,7 +53,8 @@ class TrainResult:
     aim_run_hash: str | None
     initial_val_loss: float | None = None
     seconds: float = 0.0
-    seconds_to_first_step: float | None = None
+    seconds_to_first_step: float | None = None  # from the start to the run's first step
+    restarts: list[RestartTiming] = field(default_factory=list)  # each restart's way back to a first step
     peak_memory_bytes: int | None = None
     # The realised mixture and any shards skipped (data.on_bad_shard: skip); also in run.dir/data_report.json.
     data_report: dict[str, Any] = field(default_factory=dict)
@@ -140,7 +141,6 @@ def _start_stream(config: TrainConfig, plans):
     t = config.train
     keep_behind = max(t.checkpoint_every, 2 * (t.memory_checkpoint_every or 0)) + PREFETCHED_STEPS
     return start_server(
-        plans.train,
         global_batch=t.global_batch_size,
         tokenize_tasks=config.data.tokenize_tasks,
         keep_behind=keep_behind,
@@ -335,6 +335,7 @@ def _summary(config: TrainConfig, result, monitor: RunMonitor, signals: StopSign
         initial_val_loss=monitor.initial_val_loss,
         seconds=time.time() - started,
         seconds_to_first_step=(monitor.first_step_at - started) if monitor.first_step_at else None,
+        restarts=list(monitor.restarts),
         peak_memory_bytes=metrics.get("peak_memory_bytes"),
         data_report=monitor.data_report(),
         stopped_by=signals.name,
@@ -361,12 +362,17 @@ def format_summary(r: TrainResult) -> str:
         f"  checkpoint      {display_uri(r.checkpoint) if r.checkpoint else None}",
         f"  run dir         {display_uri(r.run_dir)}",
     ]
+    if r.restarts:  # each from its failure, not from the run's start
+        back = ", ".join(f"{t.seconds_to_first_step:.0f} s (resumed at step {t.step})" for t in r.restarts)
+        lines.append(f"  restarts        {len(r.restarts)}; from each failure to the next step: {back}")
     mixture = r.data_report.get("mixture") or {}
     if len(mixture) > 1:
         lines.append("  mixture         " + ", ".join(f"{name} {share:.1%}" for name, share in mixture.items()))
     skipped = r.data_report.get("skipped_shards") or []
     if skipped:
         lines.append(f"  skipped shards  {len(skipped)} (listed in {display_uri(r.run_dir)}/data_report.json)")
+    for source, counts in (r.data_report.get("dropped_records") or {}).items():
+        lines.append(f"  left out        {source}: {dropped_text(counts)} record(s)")
     if r.aim_run_hash:
         lines.append(f"  aim run         {r.aim_run_hash} in {r.aim_repo}  (view: aim up --repo {r.aim_repo})")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rayllm import events
@@ -56,6 +57,23 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+@dataclass(frozen=True)
+class RestartTiming:
+    """One restart: the step it resumed at, and the seconds from the last word of the attempt before
+    (its failure record, where it sent one; else its last record) to the new attempt's first step."""
+
+    step: int
+    seconds_to_first_step: float
+
+
+DROP_WORDS = {"not_text": "no string", "empty": "empty", "too_long": "too long"}
+
+
+def dropped_text(counts: dict[str, int]) -> str:
+    """A source's left-out records as a person reads them: "3 no string, 1 too long"."""
+    return ", ".join(f"{n:,} {DROP_WORDS.get(reason, reason)}" for reason, n in counts.items() if n)
+
+
 class RunMonitor:
     def __init__(self, config: TrainConfig, quiet: bool = False, out=None):
         self.config, self.quiet = config, quiet
@@ -64,7 +82,11 @@ class RunMonitor:
         self.tracker.log_params(config.redacted())
         self.tracker.log_params(environment())
         self.started = time.time()
-        self.first_step_at: float | None = None
+        self.first_step_at: float | None = None  # the run's first step (this driver's first attempt to reach one)
+        self.restarts: list[RestartTiming] = []  # each later attempt's way back to its first step
+        self._last_record_at: float | None = None
+        self._attempt_began: tuple[int, float | None] | None = None  # (resume step, the last word before it)
+        self.dropped: dict[str, dict[str, int]] = {}  # records left out so far, per source and reason
         self.history: list[dict[str, Any]] = []
         self.val_loss: float | None = None
         self.initial_val_loss: float | None = None
@@ -108,11 +130,13 @@ class RunMonitor:
         elif time.monotonic() - self._remote_flushed_at >= REMOTE_FLUSH_S:
             self._flush_remote()
         self.HANDLERS[type(event)](self, event, record)
+        self._last_record_at = record["time"]
 
     # -- one method per kind of event: (the event, its record as metrics.jsonl has it) ---------------
 
     def _on_start(self, event: events.Start, record: dict[str, Any]) -> None:
         step = event.step
+        self._attempt_began = (step, self._last_record_at)
         if self.world_size is not None and event.world_size != self.world_size:
             self.handle(events.Resize(step=step, from_workers=self.world_size, to_workers=event.world_size))
         self.world_size = event.world_size
@@ -177,7 +201,11 @@ class RunMonitor:
         self.say(f"[rayllm] stopped at step {event.step} with a checkpoint; running again resumes from it")
 
     def _on_first_step(self, event: events.FirstStep, record: dict[str, Any]) -> None:
-        self.first_step_at = record["time"]
+        if self.first_step_at is None:
+            self.first_step_at = record["time"]
+        elif self._attempt_began is not None and self._attempt_began[1] is not None:
+            step, last_word = self._attempt_began
+            self.restarts.append(RestartTiming(step, record["time"] - last_word))
 
     def _on_train(self, event: events.Train, record: dict[str, Any]) -> None:
         step = event.step
@@ -237,6 +265,17 @@ class RunMonitor:
         self.tracker.log_text(text, "data_changes", event.step)
         self.say(f"[rayllm] {text}")
 
+    def _on_dropped(self, event: events.Dropped, record: dict[str, Any]) -> None:
+        for source, counts in event.records.items():
+            if source not in self.dropped:  # once per source; data_report.json and the summary count them all
+                print(
+                    f"[rayllm] warning: source {source} leaves records out ({dropped_text(counts)} so far); "
+                    f"{DATA_REPORT} counts them",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        self.dropped = {source: dict(counts) for source, counts in event.records.items()}
+
     def _on_done(self, event: events.Done, record: dict[str, Any]) -> None:
         self.val_loss = event.metrics.get("val_loss", self.val_loss)
 
@@ -257,6 +296,7 @@ class RunMonitor:
         events.Samples: _on_samples,
         events.Skipped: _on_skipped,
         events.DataChanged: _on_data_changed,
+        events.Dropped: _on_dropped,
         events.Done: _on_done,
     }
 
@@ -264,8 +304,9 @@ class RunMonitor:
         return self.nodes[rank] if rank < len(self.nodes) else "?"
 
     def data_report(self) -> dict[str, Any]:
-        """What the run's data was: the realised mixture and the shards skipped (with data.on_bad_shard: skip)."""
-        return {"mixture": self.mixture, "skipped_shards": self.skipped}
+        """What the run's data was: the realised mixture, the shards skipped (with data.on_bad_shard: skip)
+        and the records left out per source and reason."""
+        return {"mixture": self.mixture, "skipped_shards": self.skipped, "dropped_records": self.dropped}
 
     def close(self) -> None:
         if self.history:

@@ -2,7 +2,8 @@
 worker counts an elastic run may take.
 
 The controller is created inside ``_initialize_and_run_controller``: the one hook Ray Train
-2.60 offers for its policies, so the subclass swaps them in there.
+2.60 offers for its policies, so the subclass swaps them in there, and its preemption watcher
+(runtime/preemption.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
 from rayllm.runtime.failure_policy import RayllmFailurePolicy
+from rayllm.runtime.preemption import controller_callbacks, rays_own_watcher_off
 
 
 class WholeLayoutsPolicy(ElasticScalingPolicy):
@@ -39,4 +41,8 @@ class RayllmTorchTrainer(TorchTrainer):
         controller_init_kwargs["failure_policy"] = RayllmFailurePolicy(self.run_config.failure_config)
         if self._usable_world_sizes is not None and self.scaling_config.elasticity_enabled:
             controller_init_kwargs["scaling_policy"] = WholeLayoutsPolicy(self.scaling_config, self._usable_world_sizes)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        # Ray Train's preemption watcher, built without actor handles as constructor arguments (preemption.py).
+        added = controller_callbacks()
+        controller_init_kwargs["callbacks"] = [*controller_init_kwargs.get("callbacks", []), *added]
+        with rays_own_watcher_off(replaced=bool(added)):
+            return super()._initialize_and_run_controller(**controller_init_kwargs)

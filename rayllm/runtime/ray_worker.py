@@ -82,6 +82,7 @@ class RaySession:
                 self.world_size // ranks_per_slice,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
                 slices_per_object(nodes, ranks_per_slice),
+                self.train_spec,  # the run's plan: a server Ray restarted has it only from here
             )
             kept[0] = _answer(begin, self.config.data.wait_timeout_s)
         if self.world_size > 1:
@@ -162,15 +163,47 @@ class RaySession:
 
     def emit(self, event: events.RunEvent) -> None:
         """Progress to the driver; never worth stopping training over (the driver may be gone). It
-        goes as its record, a plain dict, that the driver reads back (events.from_record)."""
+        goes as its record, a plain dict, that the driver reads back (events.from_record). A record
+        the queue does not take within its deadline is dropped (one warning): a metrics record after
+        EMIT_TIMEOUT_S, one the driver's result is made of (MUST_REACH_DRIVER) after MUST_EMIT_TIMEOUT_S."""
         if self._queue is None or (self.rank != 0 and not isinstance(event, events.Failure)):
             return
-        try:
-            self._queue.put_nowait(event.to_record())
-        except Exception as e:
-            if not self._emit_failed:
-                logging.getLogger(__name__).warning("progress records no longer reach the driver: %s", e)
-            self._emit_failed = True
+        must = isinstance(event, MUST_REACH_DRIVER)
+        error = send_record(self._queue, event.to_record(), MUST_EMIT_TIMEOUT_S if must else EMIT_TIMEOUT_S)
+        if error is None:
+            return
+        if must:  # each one named: the driver's summary will lack it
+            logging.getLogger(__name__).warning(
+                "the driver did not get the %r record of step %s: %s", event.kind, event.step, error
+            )
+        elif not self._emit_failed:
+            logging.getLogger(__name__).warning("progress records no longer reach the driver (dropped): %s", error)
+        self._emit_failed = True
+
+
+EMIT_TIMEOUT_S = 5.0  # a metrics record waits this long for the driver's queue, then is dropped
+MUST_EMIT_TIMEOUT_S = 60.0  # a record the driver's result is made of waits longer, then is named and dropped
+# What the driver's result is made of, so worth a longer wait: why an attempt ended (Failure: a hang's
+# or a crash's cause is named nowhere else), that the run stopped with a checkpoint (Stopped), the
+# milestones it returns (Kept), the shards it skipped (Skipped), and the metrics of a run that had
+# nothing left to train (Done). The others are metrics a later record supersedes.
+MUST_REACH_DRIVER = (events.Failure, events.Stopped, events.Kept, events.Skipped, events.Done)
+
+
+def send_record(queue, record: dict[str, Any], timeout_s: float) -> str | None:
+    """Put ``record`` on the driver's Ray queue within ``timeout_s``; None, or why it did not go.
+
+    Ray's ``Queue.put_nowait`` waits on its actor without a deadline (a hung or unreachable queue
+    actor would hang the rank), so the call goes to the queue's actor directly, with one."""
+    import ray
+
+    try:
+        ray.get(queue.actor.put_nowait.remote(record), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return f"the driver's queue took no record in {timeout_s:.0f} s"
+    except Exception as e:  # the driver or its queue is gone
+        return f"{type(e).__name__}: {str(e).strip()[:200]}"
+    return None
 
 
 def _preemption_context():

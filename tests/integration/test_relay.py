@@ -39,11 +39,11 @@ def start(ray, keep_behind: int = 0, depth: int = 4):
     attempt, as the server keeps its own)."""
     from rayllm.data.stream.relay import NodeRelay
 
-    server = (
-        ray.remote(numbered_server()).options(num_cpus=0, max_concurrency=100).remote(None, G, 0, keep_behind, depth)
-    )
+    server = ray.remote(numbered_server()).options(num_cpus=0, max_concurrency=100).remote(G, 0, keep_behind, depth)
     relay = ray.remote(NodeRelay).options(num_cpus=0, max_concurrency=100, max_restarts=-1)  # as node_relay's
-    relays = [relay.remote(server, f"node-{n}") for n in range(WORLD // PER_NODE)]
+    relays = [relay.remote(f"node-{n}") for n in range(WORLD // PER_NODE)]
+    for r in relays:
+        r.attach.remote(server)  # as the run's control actor does at every attempt
     begin(ray, server, attempt=1, consumed=0)
     return server, relays
 
@@ -190,6 +190,36 @@ def test_the_run_keeps_one_relay_per_node_for_every_attempt_and_it_outlives_the_
         while time.time() < deadline:
             ray.get(relay.counters.remote(), timeout=60)
             time.sleep(0.5)
+
+
+def test_a_relay_ray_restarted_is_attached_to_the_server_again_and_serves_the_next_attempt(ray_local):
+    """A relay is built without its server (no actor handle among its constructor's arguments, which a
+    restart may not survive: ray#53727); the control actor attaches it at every ask, so one whose
+    process died serves the next attempt."""
+    import ray
+
+    from rayllm.runtime.control import RunControl
+
+    server, _ = start(ray, keep_behind=8)
+    control = ray.remote(RunControl).options(num_cpus=0).remote()
+    node = ray.get_runtime_context().get_node_id()
+    relay = ray.get(control.relay.remote(node, server), timeout=60)
+    take(open_ranks([relay], world=PER_NODE), 3)
+    ray.kill(relay, no_restart=False)  # its process dies; Ray restarts it, empty
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if ray.get(relay.counters.remote(), timeout=10)["fetched"] == 0:
+                break  # the restarted one
+        except ray.exceptions.RayActorError:
+            pass
+        time.sleep(0.5)
+    assert begin(ray, server, attempt=2, consumed=3 * G, world=PER_NODE) is False
+    assert ray.get(control.relay.remote(node, server), timeout=60) == relay
+    got = take(open_ranks([relay], attempt=2, world=PER_NODE), 4)
+    assert all(np.array_equal(a, b) for a, b in zip(got[1], expected_slices(1, 3, 4, PER_NODE), strict=True))
+    for actor in [control, server]:
+        ray.kill(actor)
 
 
 def test_a_nodes_worth_of_slices_per_object_only_when_nodes_hold_contiguous_equal_runs_of_ranks():

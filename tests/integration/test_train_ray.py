@@ -214,10 +214,25 @@ def test_every_layout_under_ray_train_gives_the_same_losses_and_sequences(uninte
     assert global_order(tmp_path / "run") == global_order(two.run_dir)
 
 
-def test_bad_shard_found_by_a_worker_is_reported_by_name(ray_local, overrides, tmp_path):
+@pytest.mark.parametrize(
+    "tail, message",
+    [
+        ('{"text": broken\n', r"shard .*shard.jsonl line 301 is not valid JSON"),
+        # A line without its end, past data.max_document_bytes: stopped there and named, not read whole.
+        ('{"text": "' + "x" * (2 << 20), r"shard .*shard.jsonl line 301 is longer than data.max_document_bytes"),
+    ],
+    ids=["bad json", "newline-less"],
+)
+def test_bad_shard_found_by_a_worker_is_reported_by_name(ray_local, overrides, tmp_path, tail, message):
     data = tmp_path / "data"
     data.mkdir()
     good = "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 20}) + "\n" for i in range(300))
-    (data / "shard.jsonl").write_text(good + '{"text": broken\n')
-    with pytest.raises(RayllmError, match=r"shard .*shard.jsonl line 301 is not valid JSON"):
-        run(overrides, f"data.train={data}", "train.max_steps=200", "train.val_every=1000")
+    (data / "shard.jsonl").write_text(good + tail)
+    with pytest.raises(RayllmError, match=message):
+        run(
+            overrides,
+            f"data.train={data}",
+            "train.max_steps=200",
+            "train.val_every=1000",
+            "data.max_document_bytes=1048576",
+        )

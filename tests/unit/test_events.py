@@ -45,6 +45,7 @@ KEYS = {
     "first_step": ["step", "phases", "stream_kept"],  # trainer.py
     "skipped": ["step", "shards"],  # trainer.py
     "data_changed": ["step", "checkpoint", "changes", "restarted", "kept"],  # data_resume.py (a new event)
+    "dropped": ["step", "records"],  # trainer.py
     "done": ["step"],  # trainer.py: step, **the last checkpoint's metrics
     "resize": ["step", "from", "to"],  # monitor.py
 }
@@ -96,6 +97,7 @@ CASES = [
         ),
         [],
     ),
+    (events.Dropped(step=3, records={"demo": {"not_text": 2, "too_long": 1}}), []),
     (events.Done(step=0), []),  # max_steps 0: no checkpoint, no metrics
     (events.Done(step=20, metrics={**TRAIN, "val_loss": 4.4}), [*TRAIN_KEYS[1:], "val_loss"]),
     (events.Done(step=25, metrics={**TRAIN, "val_loss": 4.4}), [*TRAIN_KEYS[1:], "val_loss"]),  # logged at 20
@@ -108,7 +110,7 @@ def _json(value) -> str:  # NaN as JSON writes it (NaN != NaN)
 
 
 def test_every_kind_has_an_event_and_a_case():
-    assert set(events.KINDS) == set(KEYS) and len(events.EVENTS) == len(KEYS) == 17
+    assert set(events.KINDS) == set(KEYS) and len(events.EVENTS) == len(KEYS) == 18
     assert {event.kind for event, _ in CASES} == set(KEYS)
 
 
@@ -243,3 +245,33 @@ def test_the_monitor_prints_and_logs_each_kind_as_it_always_has(tmp_path):
     assert monitor.kept == ["/runs/r/kept/step_10"] and monitor.skipped == [SHARD]
     assert monitor.val_loss == 4.25 and monitor.initial_val_loss == 5.5 and monitor.first_step_at is not None
     assert monitor.mixture == {"a": 0.5, "b": 0.5} and monitor.memory_bytes == 3 * 2**20 // 2
+
+
+def test_the_summary_times_the_first_step_from_the_start_and_each_restart_from_its_failure(tmp_path, monkeypatch):
+    """A run whose first attempt hangs: "to the first step" is the first attempt's (20 s), not the last
+    one's (160 s from the start); the restart is timed from the failure it followed (10 s)."""
+    import rayllm.runtime.monitor as monitor_module
+    from rayllm.runtime.launch import _summary, format_summary
+
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[f"run.dir={tmp_path}", "tracking.enabled=false"])
+    monitor = RunMonitor(config, quiet=True)
+    timeline = [
+        (0.0, START),
+        (20.0, events.FirstStep(step=1, phases={}, stream_kept=None)),
+        (90.0, events.Train.from_metrics(TRAIN, {"demo": 1.0})),
+        (150.0, events.Failure(step=20, rank=0, message="rank 0 made no step for 60 s (hang)")),
+        (155.0, dataclasses.replace(START, step=20, restarts=1, resumed_from="storage")),
+        (160.0, events.FirstStep(step=21, phases={}, stream_kept=False)),
+    ]
+    for at, event in timeline:
+        monkeypatch.setattr(monitor_module.time, "time", lambda at=at: 1000.0 + at)
+        monitor.handle(event)
+    monkeypatch.undo()
+    monitor.close()
+    result = types.SimpleNamespace(metrics={"step": 30}, checkpoint=None)
+    summary = _summary(config, result, monitor, types.SimpleNamespace(name=None), started=1000.0)
+    assert summary.seconds_to_first_step == 20.0
+    assert [(t.step, t.seconds_to_first_step) for t in summary.restarts] == [(20, 10.0)]
+    text = format_summary(summary)
+    assert "(20 s to the first step)" in text
+    assert "restarts        1; from each failure to the next step: 10 s (resumed at step 20)" in text

@@ -29,13 +29,24 @@ SERVER_GRACE_S = 30.0  # beyond the server's own REPLY_WAIT_S, before a relay's 
 
 
 class NodeRelay:
-    """Answers a node's ranks from one call to the server per batch of ready steps."""
+    """Answers a node's ranks from one call to the server per batch of ready steps.
 
-    def __init__(self, server, key: str):
-        self._server, self._key = server, key
+    Built with plain arguments only, and handed its server by ``attach`` (at every attempt, by the
+    control actor): Ray restarts an actor by running its constructor again, which an actor
+    handle among the constructor's arguments may not survive (ray-project/ray#53727)."""
+
+    def __init__(self, key: str):
+        self._server, self._key = None, key
         self._news: asyncio.Event | None = None
         self.server_calls = 0
         self._begin(None, 0)
+
+    async def attach(self, server) -> None:
+        """The stream server to ask; a relay restarted by Ray has none until the next attempt's ranks ask."""
+        self._server = server
+        if self._news is not None:
+            news, self._news = self._news, asyncio.Event()
+            news.set()
 
     def _begin(self, attempt: int | None, local_ranks: int) -> None:
         """Serve ``attempt``'s ``local_ranks`` ranks from its first step: nothing of the last one kept."""
@@ -87,7 +98,7 @@ class NodeRelay:
 
     def _start_fetch(self) -> None:
         """One call to the server at a time, once every rank of the node has asked (its layout)."""
-        if not self._fetching and len(self._held) == self._local_ranks:
+        if self._server is not None and not self._fetching and len(self._held) == self._local_ranks:
             self._fetching = True
             asyncio.ensure_future(self._fetch())
 
@@ -143,9 +154,9 @@ def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
     return max(1, per_node // ranks_per_slice)
 
 
-def node_relay(server, server_name: str, node: str):
-    """``node``'s relay, on that node, for the caller to own and keep. Ray restarts it, empty,
-    if its process dies; it dies with its node or with its owner."""
+def node_relay(server_name: str, node: str):
+    """``node``'s relay, on that node, for the caller to own and keep and ``attach`` to its server.
+    Ray restarts it, empty, if its process dies; it dies with its node or with its owner."""
     return pinned_actor(
         NodeRelay,
         node,
@@ -153,7 +164,7 @@ def node_relay(server, server_name: str, node: str):
         get_if_exists=True,
         max_restarts=-1,
         max_concurrency=1_000,  # waiting ranks are coroutines, not threads
-    ).remote(server, f"{server_name}/{node}")
+    ).remote(f"{server_name}/{node}")
 
 
 def served_batches(

@@ -61,9 +61,13 @@ class _Production:
 class StreamServer:
     """Produces global batches ahead of the slowest client (at most ``depth`` steps) and hands out references."""
 
-    def __init__(self, plan: StreamSpec, global_batch: int, tokenize_tasks: int, keep_behind: int = 0, depth=None):
+    def __init__(self, global_batch: int, tokenize_tasks: int, keep_behind: int = 0, depth=None):
+        # Plain arguments only: Ray restarts an actor by running its constructor again, which the plan
+        # (a tokenizer of megabytes, sealed credentials: in the object store) may not survive
+        # (ray-project/ray#53727). Each attempt's ``begin`` hands the plan over instead.
         configure_ray_data()
-        self._plan, self._global_batch, self._tokenize_tasks = plan, global_batch, tokenize_tasks
+        self._plan: StreamSpec | None = None
+        self._global_batch, self._tokenize_tasks = global_batch, tokenize_tasks
         self._keep_behind, self._depth = keep_behind, depth or MAX_DEPTH  # sized by the first batch unless given
         self._lock = threading.Lock()  # the producer thread and the event loop share what follows
         self._production: _Production | None = None
@@ -78,10 +82,20 @@ class StreamServer:
         self._news: asyncio.Event | None = None
 
     async def begin(
-        self, attempt: int, state: dict, consumed: int, world_size: int, data_slices: int, slices_per_object: int
+        self,
+        attempt: int,
+        state: dict,
+        consumed: int,
+        world_size: int,
+        data_slices: int,
+        slices_per_object: int,
+        plan: StreamSpec | None = None,
     ) -> bool:
-        """Serve ``attempt`` from ``consumed`` sequences in (``state``: the checkpoint's data state).
-        Returns whether the running stream was kept (else the sources restart from ``state``)."""
+        """Serve ``attempt`` from ``consumed`` sequences in (``state``: the checkpoint's data state) of
+        ``plan`` (the run's, the same at every attempt). Returns whether the running stream was kept
+        (else the sources restart from ``state``)."""
+        if plan is not None:
+            self._plan = plan
         if self._loop is None:
             self._loop, self._news = asyncio.get_running_loop(), asyncio.Event()
         rows_per_slice = self._global_batch // data_slices
@@ -209,14 +223,15 @@ class StreamServer:
 MAX_DEPTH, MIN_DEPTH, AHEAD_BYTES, KEEP_BYTES = 32, 4, 512 << 20, 256 << 20
 
 
-def start_server(plan: StreamSpec, *, global_batch: int, tokenize_tasks: int, keep_behind: int):
+def start_server(*, global_batch: int, tokenize_tasks: int, keep_behind: int):
     """The run's stream actor, on the caller's node (the driver's), owned by the driver: it
-    outlives every attempt, and Ray restarts it (empty) if its process dies."""
+    outlives every attempt, and Ray restarts it (empty) if its process dies. Each attempt's rank 0
+    begins it with the run's plan."""
     actor = pinned_actor(
         StreamServer,
-        max_restarts=-1,  # the next attempt's begin() restarts its sources
+        max_restarts=-1,  # the next attempt's begin() hands it the plan and restarts its sources
         max_concurrency=10_000,  # waiting relays are coroutines, not threads
         # The producer thread's ray.get (Ray Data) is not on the event loop: Ray's warning does not apply.
         runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}},
     )
-    return actor.remote(plan, global_batch, tokenize_tasks, keep_behind)
+    return actor.remote(global_batch, tokenize_tasks, keep_behind)
