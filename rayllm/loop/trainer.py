@@ -232,6 +232,7 @@ class Trainer:
             self.device,
             tokenizer_json=session.train_spec.sources[0].tokenizer_json,
             before_commit=faults.maybe_crash_before_commit,
+            slow=watchdog.slow,  # the end of the run: bounded by train.close_timeout_s, not a hang
         )
         session.phases["checkpointer"] = time.time()
         self.restore()
