@@ -41,11 +41,20 @@ def _first_run(overrides: list[str], run_dir: Path, hold: Path, *extra: str) -> 
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    _wait_for(lambda: (run_dir / "checkpoint_00000002" / "rayllm_commit.json").exists(), 300, "the first checkpoint")
+    committed = run_dir / "checkpoint_00000002" / "rayllm_commit.json"
+    _wait_for(lambda: committed.exists() or proc.poll() is not None, 300, "the first checkpoint")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
     return proc
 
 
-SMALL = ["train.max_steps=6", "train.checkpoint_every=2", "train.log_every=1", "train.val_every=100"]
+# Synchronous checkpoints: step 2's is committed before the hold at step 3.
+SMALL = [
+    "train.max_steps=6",
+    "train.checkpoint_every=2",
+    "train.async_checkpoint=false",
+    "train.log_every=1",
+    "train.val_every=100",
+]
 
 
 def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_finishes_untouched(
