@@ -200,6 +200,7 @@ def put_small_file(fs, path: str, data: bytes) -> None:
 def _listing(fs, folder: str) -> dict[str, int]:
     """Every file under ``folder`` but the marker: relative path -> bytes (one listing call)."""
     folder = fs._strip_protocol(folder).rstrip("/")
+    fs.invalidate_cache(folder)  # other ranks' and processes' writes: s3fs may hold an older listing
     found = fs.find(folder, detail=True)
     parts = {}
     for name, info in found.items():
