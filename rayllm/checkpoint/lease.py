@@ -6,7 +6,10 @@ other's folders, and metrics.jsonl and config.yaml would interleave. So the driv
 under torchrun) takes ``<run.dir>/rayllm_lease.json`` before anything starts and renews its
 heartbeat from a daemon thread; a second run finding a live heartbeat is refused with one line,
 and a lease whose heartbeat is older than its timeout (its owner is gone: the driver was killed)
-is taken over, saying so.
+is taken over, saying so; on the same host a lease whose process is gone is taken over at once
+(a run killed and started again, a torchrun rank 0 ended by the hang watchdog's ``os._exit``).
+Under torchrun the owner is the torchrun job (its agent process), so that the job's own
+restarts keep the lease.
 
 Written by hand over the run dir's own fsspec filesystem because it must work where the
 checkpoints live, on object storage too, which has no file locks: a taker writes the lease and
@@ -49,7 +52,26 @@ class LeaseOwner:
 
     @classmethod
     def this_process(cls) -> LeaseOwner:
-        return cls(uuid.uuid4().hex[:16], socket.gethostname(), os.getpid(), time.time())
+        """This process, or under torchrun its agent (the ranks' parent), whose restarts are the same run."""
+        host = socket.gethostname()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id is None:
+            return cls(uuid.uuid4().hex[:16], host, os.getpid(), time.time())
+        agent = os.getppid()
+        job = uuid.uuid5(uuid.NAMESPACE_URL, f"torchrun://{host}/{agent}/{run_id}/{_proc_stat(agent)[19:20]}").hex[:16]
+        return cls(job, host, agent, time.time())
+
+    def gone(self) -> bool:
+        """Whether this owner's process is known to be gone: only on this host (else: the heartbeat)."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return _proc_stat(self.pid)[:1] == ["Z"]  # a zombie: ended, not yet reaped
 
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started_at))
@@ -70,6 +92,15 @@ class LeaseRecord:
     @classmethod
     def from_json(cls, raw: dict) -> LeaseRecord:
         return cls(LeaseOwner(**raw["owner"]), float(raw["heartbeat_at"]), float(raw["timeout_s"]))
+
+
+def _proc_stat(pid: int) -> list[str]:
+    """A process's /proc/PID/stat fields from its state on (Linux); [] where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def read_lease(run_dir: str, storage: StorageSettings) -> LeaseRecord | None:
@@ -104,12 +135,12 @@ class RunDirLease:
         current = read_lease(self.run_dir, self.storage)
         if current is not None and current.owner.id != self.owner.id:
             age = time.time() - current.heartbeat_at
-            if age < current.timeout_s:
+            gone = current.owner.gone()
+            if age < current.timeout_s and not gone:
                 raise self._taken(current, age)
-            self.log(
-                f"run.dir {self.run_dir}: taking over the lease of {current.owner.describe()}: no heartbeat for "
-                f"{age:.0f} s (run.lease_timeout_s {current.timeout_s:g}), so that run is gone"
-            )
+            why = "its process is gone" if gone else f"no heartbeat for {age:.0f} s (run.lease_timeout_s "
+            why += "" if gone else f"{current.timeout_s:g}), so that run is gone"
+            self.log(f"run.dir {self.run_dir}: taking over the lease of {current.owner.describe()}: {why}")
         self._write()
         time.sleep(min(SETTLE_S, self.timeout_s / 10))
         back = read_lease(self.run_dir, self.storage)

@@ -48,6 +48,21 @@ def test_a_lease_without_a_heartbeat_is_taken_over_saying_so(tmp_path):
         lease.release()
 
 
+def test_a_fresh_lease_whose_process_on_this_host_is_gone_is_taken_over_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # a driver killed a moment ago: its heartbeat is fresh, its process gone
+    dead = LeaseRecord(LeaseOwner("killed", socket.gethostname(), ended.pid, time.time()), time.time(), 60.0)
+    (tmp_path / LEASE_FILE).write_text(json.dumps(dead.to_json()))
+    said: list[str] = []
+    lease = RunDirLease(str(tmp_path), STORAGE, timeout_s=5.0, log=said.append)
+    lease.acquire()
+    lease.release()
+    assert len(said) == 1 and "run killed" in said[0] and "its process is gone" in said[0], said
+
+
 def test_the_heartbeat_is_renewed_while_the_run_lives(tmp_path):
     lease = RunDirLease(str(tmp_path), STORAGE, timeout_s=0.4)
     lease.acquire()
