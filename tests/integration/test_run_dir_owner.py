@@ -38,12 +38,11 @@ def _first_run(overrides: list[str], run_dir: Path, hold: Path, *extra: str) -> 
     hold.touch()
     cmd = torchrun_cmd(1, [*overrides, *extra])
     env = {**os.environ, PAUSE: f"3:{hold}"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    log = open(hold.with_suffix(".log"), "w")  # a file, not a pipe: a killed job leaves no reader waiting
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     committed = run_dir / "checkpoint_00000002" / "rayllm_commit.json"
     _wait_for(lambda: committed.exists() or proc.poll() is not None, 300, "the first checkpoint")
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    assert proc.poll() is None, hold.with_suffix(".log").read_text()[-3000:]
     return proc
 
 
@@ -75,8 +74,7 @@ def test_a_second_run_on_a_live_run_dir_is_refused_and_the_first_finishes_untouc
         assert second.returncode != 0 and f"is in use by run {owner.id}" in second.stderr, second.stderr[-3000:]
     finally:
         (tmp_path / "hold").unlink()
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-3000:]
+    assert first.wait(timeout=300) == 0, (tmp_path / "hold.log").read_text()[-3000:]
     records = read_records(run_dir)
     assert [r["kind"] for r in records].count("start") == 1  # nobody else's records in between
     assert sorted(r["step"] for r in records if r["kind"] == "train") == list(range(1, 7))
@@ -91,8 +89,7 @@ def test_a_run_whose_job_was_killed_is_resumed_at_once_on_the_same_host(override
     run_dir = tmp_path / "run"
     quick = [*SMALL, "tracking.enabled=false"]
     first = _first_run(overrides, run_dir, tmp_path / "hold", *quick)
-    os.killpg(first.pid, signal.SIGKILL)  # the whole job gone at once: nobody releases the lease
-    first.communicate(timeout=60)
+    _kill_job(first)  # the whole job gone at once: nobody releases the lease
     dead = read_lease(str(run_dir), StorageSettings())
     assert time.time() - dead.heartbeat_at < dead.timeout_s  # live by its heartbeat
     records = _records_of(overrides, quick, run_dir)
@@ -102,6 +99,24 @@ def test_a_run_whose_job_was_killed_is_resumed_at_once_on_the_same_host(override
     starts = [r for r in records if r["kind"] == "start"]
     assert starts[-1]["step"] == 2  # resumed from the killed run's checkpoint
     assert max(r["step"] for r in records if r["kind"] == "train") == 6
+
+
+def _kill_job(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun's agent and its ranks (each rank is a session of its own)."""
+    ranks = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == agent.pid:
+            ranks.append(int(stat.parent.name))
+    for pid in [agent.pid, *ranks]:
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait(timeout=120)
 
 
 def _records_of(overrides, extra, run_dir) -> list[dict]:
@@ -187,28 +202,30 @@ import ray
 from ray.cluster_utils import Cluster
 from rayllm.checkpoint import memory
 
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-other = cluster.add_node(num_cpus=1)
-ray.init(address=cluster.address, logging_level="ERROR")
-memory.register()
-memory.CALL_TIMEOUT_S = 3.0
-registry = memory.start_registry("rayllm-keepers-stall")
-neighbour = ray.get(registry.keeper.remote(other.node_id))
-pid = ray.get(neighbour.__ray_call__.remote(lambda self: os.getpid()))
-fs = memory.KeeperFileSystem()
-os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing: a keeper call times out
-fs.pipe_file("rayllm-keepers-stall/run/a", b"x" * 100)
-time.sleep(0.5)
-kept = other.node_id in ray.get(registry.keepers.remote())
-os.kill(pid, signal.SIGCONT)
-held = ray.get(neighbour.usage.remote(), timeout=30)  # it still holds what it held, and answers
-ray.kill(neighbour)  # now really dead: forgotten
-fs.pipe_file("rayllm-keepers-stall/run/b", b"y")
-time.sleep(0.5)
-forgotten = other.node_id not in ray.get(registry.keepers.remote())
-print("RESULT", kept, forgotten, held, flush=True)
-ray.shutdown()
-cluster.shutdown()
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+try:
+    other = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="ERROR")
+    memory.register()
+    memory.CALL_TIMEOUT_S = 3.0
+    registry = memory.start_registry("rayllm-keepers-stall")
+    neighbour = ray.get(registry.keeper.remote(other.node_id))
+    pid = ray.get(neighbour.__ray_call__.remote(lambda self: os.getpid()))
+    fs = memory.KeeperFileSystem()
+    os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing: a keeper call times out
+    fs.pipe_file("rayllm-keepers-stall/run/a", b"x" * 100)
+    time.sleep(0.5)
+    kept = other.node_id in ray.get(registry.keepers.remote())
+    os.kill(pid, signal.SIGCONT)
+    held = ray.get(neighbour.usage.remote(), timeout=30)  # it answers again, with what it held
+    ray.kill(neighbour)  # now really dead: forgotten
+    fs.pipe_file("rayllm-keepers-stall/run/b", b"y")
+    time.sleep(0.5)
+    forgotten = other.node_id not in ray.get(registry.keepers.remote())
+    print("RESULT", kept, forgotten, held, flush=True)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
 """
 
 
