@@ -18,12 +18,14 @@ It owns its two gloo groups and the typed train state it writes (state.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import posixpath
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from rayllm import checkpoint, events
 from rayllm.checkpoint import memory
+from rayllm.checkpoint.lease import lease_owner_id
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig
 
@@ -77,6 +80,7 @@ class Checkpointer:
         device: torch.device,
         tokenizer_json: str | None,
         before_commit: Callable[[int, int, int], None] = lambda step, rank, world: None,
+        slow: Callable[[float, str], AbstractContextManager] = lambda seconds, phase: contextlib.nullcontext(),
     ):
         self.config, self.session, self.device = config, session, device
         self.tokenizer_json = tokenizer_json  # the run's, written beside every stored checkpoint
@@ -86,6 +90,7 @@ class Checkpointer:
         self.loop_group, self.group = groups
         self._collective = dist.is_initialized() and session.world_size > 1  # else nothing to agree with
         self.before_commit = before_commit  # (step, rank, world): the tests' crash between write and commit
+        self.slow = slow  # (deadline, phase): the hang watchdog's long phase, for the end of the run
         self.store = checkpoint.CheckpointStore(config.run.dir, config.storage)
         self.pending: PendingCheckpoint | None = None
         self._writer: checkpoint.AsyncWriter | None = None
@@ -100,6 +105,10 @@ class Checkpointer:
         self._tidier = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayllm-tidy") if session.rank == 0 else None
         )
+        self.owner: str | None = None  # the run dir's lease holder (lease.py), written into each marker
+        if session.rank == 0:
+            self.owner = lease_owner_id(config.run.dir, config.storage)
+            self._tidier.submit(self._finish_milestones)  # copies an earlier attempt's end cut off
 
     def agree(self, stop_requested: bool, preempted: bool) -> StepAgreement:
         """Collective, once a step: one small all-reduce on the loop's group."""
@@ -124,7 +133,7 @@ class Checkpointer:
         choice = [None]
         if self.session.rank == 0:
             stored = self.store.complete_steps()
-            choice[0] = self.store.latest()
+            choice[0] = self.store.latest(on_incomplete=self._warn)
             for step in reversed(self.memory.complete_steps() if self.memory else []):
                 if stored and step < stored[-1]:
                     break
@@ -192,6 +201,8 @@ class Checkpointer:
             self.commit(self.pending)
         uri = self.store.uri(ckpt.step)
         storage = self.config.storage
+        if self.session.rank == 0:  # a re-save of a step: no longer a checkpoint before any rank writes
+            self.store.unmark(ckpt.step)  # (DCP's save plans collectively, with rank 0, before writing)
         if self.config.train.async_checkpoint and not ckpt.final:
             if self._writer is None:
                 self._writer = checkpoint.AsyncWriter(self.device, self.group)
@@ -209,6 +220,8 @@ class Checkpointer:
         started = time.perf_counter()
         rank, world = self.session.rank, self.session.world_size
         step = ckpt.step
+        if rank == 0:
+            self.memory.unmark(step)
         checkpoint.save(self.memory.uri(step), self.config.storage, model, optimizer)
         if rank == 0:
             self.memory.write_state(step, ckpt.state, None)
@@ -217,9 +230,10 @@ class Checkpointer:
         if self._collective:
             dist.barrier(group=self.loop_group)  # every rank's part is held
         if rank == 0:
-            self.memory.mark_complete(step, world)
-            self.memory.prune(1, written_before=step)
-            held = self.memory.fs.usage(self.memory.root)
+            self.memory.mark_complete(step, world, owner=self.owner)
+            self.memory.keep_only(step)
+            fs = self.memory.fs
+            held = fs.usage(self.memory.root) if hasattr(fs, "usage") else fs.du(self.memory.root)
             stall = time.perf_counter() - started
             self.session.emit(events.MemoryCheckpoint(step=step, stall_s=stall, nbytes=held))
 
@@ -252,7 +266,7 @@ class Checkpointer:
         if self._collective:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
-            self.store.mark_complete(ckpt.step, world)
+            self.store.mark_complete(ckpt.step, world, owner=self.owner)
         self.session.register(ckpt.step, ckpt.metrics, self.store.uri(ckpt.step))
         ckpt.stall_s += time.perf_counter() - started
         if self.pending is ckpt:
@@ -271,18 +285,34 @@ class Checkpointer:
                 self.session.emit(events.Kept(step=step, uri=self.store.keep_milestone(step)))
             if self.session.prunes_checkpoints:
                 self.store.prune(t.keep_checkpoints, written_before=step)
+            else:  # Ray Train keeps the last K it was told of; writes that never finished are ours
+                self.store.prune_unfinished(written_before=step)
         except Exception as e:  # housekeeping must never stop training; the next commit tries again
             self.session.emit(events.RunWarning(step=step, message=f"checkpoint housekeeping: {e}"))
 
+    def _finish_milestones(self) -> None:
+        """Rank 0, in the background at start: milestone copies an earlier attempt's end cut off."""
+        try:
+            for uri in self.store.finish_milestones(self.config.train.keep_checkpoint_every):
+                self.session.emit(events.Kept(step=int(uri.rstrip("/").rsplit("_", 1)[1]), uri=uri))
+        except Exception as e:
+            self._warn(f"finishing the milestone copies: {e}")
+
+    def _warn(self, message: str) -> None:
+        self.session.emit(events.RunWarning(step=self.committed_step or 0, message=message))
+
     def close(self) -> None:
-        """Commit what is pending and let housekeeping finish."""
-        if self.pending is not None:
-            self.commit(self.pending)
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._tidier is not None:
-            self._tidier.shutdown(wait=True)
+        """Commit what is pending and let housekeeping finish (a milestone copy: hundreds of GB at
+        70B), inside the watchdog's long phase with its own deadline: not a hang, but bounded. A
+        copy cut off there is finished at the next start (_finish_milestones)."""
+        with self.slow(self.config.train.close_timeout_s, "the end of the run (last commit, milestone copy)"):
+            if self.pending is not None:
+                self.commit(self.pending)
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self._tidier is not None:
+                self._tidier.shutdown(wait=True)
 
 
 def _write_ids(store: checkpoint.CheckpointStore, step: int, name: str, rank: int, ids: np.ndarray | None) -> None:

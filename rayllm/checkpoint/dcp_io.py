@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from rayllm.checkpoint.store import require_whole
 from rayllm.errors import CheckpointError
 from rayllm.io.redact import display_uri
 from rayllm.io.settings import StorageSettings
@@ -117,6 +118,7 @@ def check_model_shapes(
 
 def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:
     """Collective: restore model and optimizer from the checkpoint at ``uri``, resharded."""
+    require_whole(uri, storage)  # every part its marker lists, with its size
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_model_shapes(reader(uri, storage), uri, model_sd)
     state_dict = {"model": model_sd, "optim": optim_sd}
@@ -127,6 +129,7 @@ def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimi
 def load_whole_model(uri: str, storage: StorageSettings, model: nn.Module, what: str) -> None:
     """One process, no process group: the model's tensors of checkpoint ``uri``, in place, whatever
     number of ranks wrote it (DCP reshards). The optimizer state is not read."""
+    require_whole(uri, storage)
     model_state = model.state_dict()
     check_model_shapes(reader(uri, storage), uri, model_state, what=what)
     with warnings.catch_warnings():  # "no process group: loading in one process" is the point here

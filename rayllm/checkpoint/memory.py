@@ -21,10 +21,49 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from rayllm.errors import ConfigError
 from rayllm.ray_cluster import pinned_actor
 
 PROTOCOL = "rayllm-mem"
 CALL_TIMEOUT_S = 120.0  # any call to a keeper or the registry; a node lost mid-call ends it sooner
+STATE_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two fp32 moments
+
+
+def memory_checkpoint_bytes_per_node(n_params: int, nodes: int) -> int:
+    """Object store bytes one node needs for in-memory checkpoints: its share of the model and
+    optimizer state and a neighbour's copy (no copy with one node), twice while the next
+    checkpoint is written beside the kept one."""
+    copies = 2 if nodes > 1 else 1
+    return int(STATE_BYTES_PER_PARAM * n_params / nodes * copies * 2)
+
+
+def check_memory_budget(n_params: int, train, max_nodes: int, nodes_and_store: tuple[int, int] | None = None) -> None:
+    """Refuse, before the run starts, in-memory checkpoints that the nodes' object stores cannot
+    hold. ``nodes_and_store``: (nodes, the smallest node's object store bytes), else Ray's."""
+    nodes, store = nodes_and_store or _object_stores(max_nodes)
+    need = memory_checkpoint_bytes_per_node(n_params, nodes)
+    if need <= store:
+        return
+    copies = " x 2 copies" if nodes > 1 else ""
+    raise ConfigError(
+        f"in-memory checkpoints (train.memory_checkpoint_every={train.memory_checkpoint_every}) need "
+        f"{need / 2**30:.2f} GiB of object store per node ({n_params:,} parameters x {STATE_BYTES_PER_PARAM} bytes "
+        f"/ {nodes} node{'s' if nodes > 1 else ''}{copies} x 2 while the next is written), but the smallest node's "
+        f"object store holds {store / 2**30:.2f} GiB: set train.memory_checkpoint_every=null, run on "
+        "more nodes, or give Ray a larger object store (ray start --object-store-memory)"
+    )
+
+
+def _object_stores(max_nodes: int) -> tuple[int, int]:
+    """(nodes the workers may use, at most ``max_nodes``; the smallest one's object store bytes)."""
+    import ray
+
+    stores = [
+        int(n["Resources"].get("object_store_memory", 0))
+        for n in ray.nodes()
+        if n.get("Alive") and (n["Resources"].get("CPU") or n["Resources"].get("GPU"))
+    ]
+    return max(1, min(len(stores), max_nodes)), min(stores, default=0)
 
 
 class Keeper:
@@ -146,7 +185,7 @@ class KeeperFileSystem(AbstractFileSystem):
     def pipe_file(self, path: str, value: bytes, **kwargs) -> None:
         """Stored by this node's keeper and by the first live keeper after it in node order."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
         path = self._strip_protocol(path)
         registry = self._registry(path)
@@ -160,8 +199,12 @@ class KeeperFileSystem(AbstractFileSystem):
                 keeper = ray.get(registry.keeper.remote(other), timeout=CALL_TIMEOUT_S)
                 ray.get(keeper.put.remote(path, data), timeout=CALL_TIMEOUT_S)
                 return
-            except (RayActorError, GetTimeoutError):
-                registry.forget.remote(other)  # lost with its node: the next one keeps the copy
+            except (RayActorError, GetTimeoutError) as e:
+                # Forgetting a keeper drops the registry's handle, which ends it with every file it
+                # holds: only for one that is really dead. A slow or briefly unreachable one keeps
+                # its files; the next keeper takes this copy.
+                if isinstance(e, ActorDiedError):
+                    registry.forget.remote(other)  # lost with its node
 
     def cat_file(self, path: str, start=None, end=None, **kwargs) -> bytes:
         import ray

@@ -84,6 +84,7 @@ _COUNT_OR_NULL, _SECONDS_OR_NULL = Range(1, null=True), Range(0, low_open=True, 
 # Every number in the tree: its range, and the fix a message gives with it. A key added to the
 # tree without an entry here fails tests/unit/test_config.py.
 RANGES: dict[str, tuple[Range, str]] = {
+    "run.lease_timeout_s": (_SECONDS, "set seconds after which a silent run's lease is taken over, for example 60"),
     "data.seq_len": (_COUNT, "set the tokens per training sequence, for example data.seq_len=256"),
     "data.tokenizer_sample_docs": (_COUNT, "set the documents a new tokenizer learns from, for example 4000"),
     "data.shuffle_window": (_COUNT, "set sequences per shuffle window, for example 4096 (1 turns shuffling off)"),
@@ -130,6 +131,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "train.keep_checkpoint_every": (_COUNT_OR_NULL, "set a step multiple to keep, or null to keep none"),
     "train.max_nonfinite_steps": (_COUNT_OR_NULL, "set skipped steps in a row before stopping, or null to never stop"),
     "train.hang_timeout_s": (_SECONDS_OR_NULL, "set seconds without a finished step, or null to derive them"),
+    "train.close_timeout_s": (_SECONDS, "set seconds the end of a run may take, for example 3600"),
     "train.hang_factor": (Range(1), "set a multiple of the median step time, for example 10"),
     "train.hang_min_s": (_SECONDS, "set the least seconds a derived hang deadline may be, for example 120"),
     "train.straggler_factor": (Range(1, low_open=True), "set a multiple of the median step time above 1, e.g. 1.5"),

@@ -13,6 +13,9 @@ class RunSettings:
 
     name: str = "tiny"
     dir: str = "runs/tiny"
+    # A run owns its dir through a lease whose heartbeat the driver renews; a lease without a
+    # heartbeat for this long belongs to a run that is gone, and the next run takes it over.
+    lease_timeout_s: float = 60.0
 
 
 @dataclass
@@ -134,6 +137,9 @@ class TrainingSettings:
     # rank that did not reach the step's end is named, and the attempt restarts from the latest
     # checkpoint. null: max(hang_min_s, hang_factor x the median step time).
     hang_timeout_s: float | None = None
+    # The end of a run (the last commit, the milestone copy to kept/) is no hang, but must end
+    # within this many seconds; a copy cut off is finished when the run next starts.
+    close_timeout_s: float = 3600.0
     hang_factor: float = 10.0
     hang_min_s: float = 120.0
     # A rank whose own step time (less data and end-of-step waits) is above straggler_factor x the

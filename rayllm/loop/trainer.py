@@ -240,6 +240,7 @@ class Trainer:
             self.device,
             tokenizer_json=session.train_spec.sources[0].tokenizer_json,
             before_commit=faults.maybe_crash_before_commit,
+            slow=watchdog.slow,  # the end of the run: bounded by train.close_timeout_s, not a hang
         )
         session.phases["checkpointer"] = time.time()
         self.data_fingerprint = fingerprint(session.train_spec)  # not in __init__: bench steps have no stream

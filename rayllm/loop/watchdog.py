@@ -6,7 +6,8 @@ GPU. Each rank's watchdog notices that no step ended within the deadline
 
     deadline = train.hang_timeout_s, or max(train.hang_min_s, train.hang_factor x median step time)
 
-(the long phases, start-up, validation and checkpoints, get SLOW_PHASE_S), and then:
+(the long phases, start-up, validation and checkpoints, get SLOW_PHASE_S; the end of the run
+gets its own deadline, train.close_timeout_s), and then:
 
 1. writes its loop thread's and every other thread's Python stack to
    ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU);
@@ -115,6 +116,7 @@ class HangWatchdog:
         self._last_beat = time.monotonic()
         self._step = 0
         self._slow = 1  # in a long phase (start-up counts as one) while > 0
+        self._phases: list[tuple[float, str]] = []  # long phases with a deadline of their own, innermost last
         self._samples = self._in_collectives = 0  # since collective_fraction was last asked
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rayllm-hang-watchdog", daemon=True)
@@ -129,12 +131,18 @@ class HangWatchdog:
         self._step, self._last_beat = step, time.monotonic()
 
     @contextlib.contextmanager
-    def slow(self) -> Iterator[None]:
-        """A long phase (validation, a checkpoint): SLOW_PHASE_S, and the clock restarts after it."""
+    def slow(self, seconds: float | None = None, phase: str | None = None) -> Iterator[None]:
+        """A long phase (validation, a checkpoint): SLOW_PHASE_S, or ``seconds`` for a phase with
+        a deadline of its own (named in the hang's line), and the clock restarts after it."""
         self._slow += 1
+        if seconds is not None:
+            self._phases.append((float(seconds), phase or "a long phase"))
+        self._last_beat = time.monotonic()
         try:
             yield
         finally:
+            if seconds is not None:
+                self._phases.pop()
             self._slow -= 1
             self._last_beat = time.monotonic()
 
@@ -142,6 +150,9 @@ class HangWatchdog:
         self._stop.set()
 
     def deadline(self) -> float:
+        phases = self._phases[-1:]  # read once: the loop thread may leave the phase meanwhile
+        if phases:
+            return phases[0][0]
         return SLOW_PHASE_S if self._slow else step_deadline(self.config, list(self._step_times))
 
     def collective_fraction(self) -> float:
@@ -179,6 +190,9 @@ class HangWatchdog:
         write_text(join(folder, f"rank-{self.rank}.txt"), f"{header}\n\n{_all_stacks()}{_nccl_trace()}", self._storage)
         reports = self._gather(report)
         line = summary_line(reports, self.world_size, silent, deadline, folder)
+        phases = self._phases[-1:]
+        if phases:  # not a step: a phase with its own deadline ran past it
+            line = f"{phases[0][1]} ran past its deadline ({deadline:.0f} s); " + line
         if self.rank == min(r["rank"] for r in reports):
             write_text(join(folder, "summary.txt"), line + "\n", self._storage)
             print(f"[rayllm] {line}", file=sys.stderr, flush=True)

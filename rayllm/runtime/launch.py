@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue as queue_lib
+import sys
 import threading
 import time
 import uuid
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayllm import events
-from rayllm.checkpoint.memory import start_registry
+from rayllm.checkpoint.lease import RunDirLease
+from rayllm.checkpoint.memory import check_memory_budget, start_registry
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
 from rayllm.data.discover import prepare_data
@@ -30,6 +32,7 @@ from rayllm.loop import fault_injection as faults
 from rayllm.loop.data_resume import check_resume_data
 from rayllm.loop.trainer import import_init_weights
 from rayllm.parallel.layout import usable_world_sizes
+from rayllm.parallel.planner import model_shape
 from rayllm.ray_cluster import connect_ray, node_affinity, pinned_actor
 from rayllm.runtime.control import RunControl
 from rayllm.runtime.failure_policy import failure_message
@@ -161,17 +164,29 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
     """Train as ``config`` says and return the final metrics and the latest checkpoint."""
     started = time.time()
     log = (lambda *_: None) if quiet else (lambda text: print(f"[rayllm] {text}", flush=True))
-    plans = _prepare_run(config, log)
-    connect_ray(config.cluster.address, run_cpus(config))
-    wait_for_room(config, log)
-    monitor = RunMonitor(config, quiet=quiet)
-    driver = _start_driver_actors(config, plans)
-    signals = StopSignals(on_first=lambda name: _stop_requested(name, driver.control))
-    result = _fit(_trainer(config, driver), config, driver, monitor, signals)
-    summary = _summary(config, result, monitor, signals, started)
+    # Before anything else: a second run on a live run's dir is refused here (checkpoint/lease.py).
+    lease = RunDirLease(config.run.dir, config.storage, config.run.lease_timeout_s, log=_warn)
+    lease.acquire()
+    try:
+        plans = _prepare_run(config, log)
+        connect_ray(config.cluster.address, run_cpus(config))
+        if config.train.memory_checkpoint_every:  # before any worker: the keepers' bytes fit the nodes
+            check_memory_budget(model_shape(config.model).total, config.train, config.worker_range[1])
+        wait_for_room(config, log)
+        monitor = RunMonitor(config, quiet=quiet)
+        driver = _start_driver_actors(config, plans)
+        signals = StopSignals(on_first=lambda name: _stop_requested(name, driver.control))
+        result = _fit(_trainer(config, driver), config, driver, monitor, signals)
+        summary = _summary(config, result, monitor, signals, started)
+    finally:
+        lease.release()
     if not quiet:
         print(format_summary(summary), flush=True)
     return summary
+
+
+def _warn(text: str) -> None:
+    print(f"[rayllm] {text}", file=sys.stderr, flush=True)
 
 
 def _prepare_run(config: TrainConfig, log):

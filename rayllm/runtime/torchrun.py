@@ -20,6 +20,7 @@ import numpy as np
 import torch.distributed as dist
 
 from rayllm import events
+from rayllm.checkpoint.lease import RunDirLease, RunDirTaken
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
 from rayllm.data.discover import DataSpecs, prepare_data
@@ -96,7 +97,9 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
         init_group(local_device(config.cluster.use_gpu))
     rank = dist.get_rank()
     resolve(config)  # model.init_from's shape, read by each process here: torchrun has no driver
+    lease = None
     try:
+        lease = _take_run_dir(config, rank)
         if rank == 0:
             log = (lambda *_: None) if quiet else print
             plans = prepare_data(config, log=log)
@@ -115,7 +118,30 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
                 monitor.close()
         return metrics
     finally:
+        if lease is not None:
+            lease.release()
         dist.destroy_process_group()
+
+
+def _take_run_dir(config: TrainConfig, rank: int) -> RunDirLease | None:
+    """Collective: rank 0 takes run.dir's lease (checkpoint/lease.py) before anything starts; a
+    refusal reaches every rank, so that all end with the one line, none waiting at a barrier."""
+    lease, refusal = None, [None]
+    if rank == 0:
+        lease = RunDirLease(config.run.dir, config.storage, config.run.lease_timeout_s, log=_warn)
+        try:
+            lease.acquire()
+        except RunDirTaken as e:
+            refusal[0], lease = str(e), None
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise RunDirTaken(refusal[0])
+    return lease
+
+
+def _warn(text: str) -> None:
+    print(f"[rayllm] {text}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
