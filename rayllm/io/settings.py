@@ -27,6 +27,9 @@ class StorageSettings:
     secret: str | None = None
     region: str | None = None
     anon: bool = False
+    # How long a read or write retries a network error, a timeout, a 5xx or throttling
+    # (rayllm.io.retry) before the attempt fails and restarts from the latest checkpoint.
+    retry_deadline_s: float = 180.0
 
     def _fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -8,6 +8,7 @@ handled the same way everywhere (data shards, run files, Ray Train storage).
 from __future__ import annotations
 
 import functools
+import io
 import os
 import posixpath
 from typing import Any
@@ -15,8 +16,11 @@ from typing import Any
 import fsspec
 
 from rayllm.errors import DataError
+from rayllm.io.retry import RetryingFileSystem
 from rayllm.io.settings import StorageSettings
 
+# Object stores and web servers: reached over the network, so their calls retry transient errors.
+NETWORK_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "http://", "https://")
 SHARD_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
 
 
@@ -55,6 +59,8 @@ def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFile
             raise
         _forget_half_imported_async_http()
         fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
+    if path.startswith(NETWORK_SCHEMES):  # whole-object calls retry a blip (rayllm.io.retry)
+        fs = RetryingFileSystem(fs, storage.retry_deadline_s)
     return fs, stripped
 
 
@@ -202,6 +208,21 @@ def _lazy_handler_class():
 
         def __reduce__(self):
             return (_make_lazy_handler, (self._uri, self._storage))
+
+        def open_output_stream(self, path, metadata):
+            """Written whole at close, with retries (rayllm.io.retry): Ray Train writes only its
+            small run snapshot through here, and a blip must not end its controller."""
+            return pyarrow.PythonFile(_UploadOnClose(self.fs, path), mode="w")
+
+    class _UploadOnClose(io.BytesIO):
+        def __init__(self, fs, path: str):
+            super().__init__()
+            self._fs, self._path = fs, path
+
+        def close(self) -> None:
+            if not self.closed:
+                self._fs.pipe_file(self._path, self.getvalue())
+            super().close()
 
     return LazyFSSpecHandler
 

@@ -2,7 +2,9 @@
 
 Ray Train's default policy retries every worker error up to ``FailureConfig.max_failures``.
 A ``RayllmError`` (a bad shard, a config the world size cannot take, a failure that repeated
-at the same step on a fresh attempt, a run that diverged) ends the run at once instead.
+at the same step on a fresh attempt, attempts that crash in a loop, a run that diverged) ends
+the run at once instead; a transient storage error (``StorageUnavailable``, a network error)
+never does.
 Ray Train 2.60 takes its policy only from its own factory inside ``fit``, so the trainer
 subclass in ray_trainer.py swaps it in where the controller is created.
 """
@@ -16,24 +18,17 @@ from ray.train.v2._internal.execution.failure_handling import (
 )
 
 from rayllm.errors import RayllmError
+from rayllm.io.retry import chain, is_transient, members
 
 FATAL_MARKERS = ("rayllm.errors.DataError: ", "rayllm.errors.ConfigError: ", "rayllm.errors.RayllmError: ")
 
 
 def _errors_inside(error: BaseException):
-    """The error, the workers' errors inside a Ray Train failure, and their causes."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    """The error, the workers' errors inside a Ray Train failure (and DCP's per-rank errors), and their causes."""
+    for e in chain(error):
         yield e
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
-        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
+        for member in members(e):
+            yield from _errors_inside(member)
 
 
 def failure_message(error: BaseException) -> str:
@@ -49,7 +44,10 @@ def failure_message(error: BaseException) -> str:
 
 
 def is_fatal(error: BaseException) -> bool:
-    """Whether a rayllm error (one no restart fixes) is inside a Ray Train failure."""
+    """Whether a rayllm error (one no restart fixes) is inside a Ray Train failure. A storage
+    outage or network error on every failed worker (rayllm.io.retry) never is: the attempt restarts."""
+    if is_transient(error):
+        return False
     if any(isinstance(e, RayllmError) for e in _errors_inside(error)):
         return True
     text = str(error)
