@@ -125,7 +125,10 @@ def _own_verdict(e: BaseException) -> Verdict | None:
     if code is not None or status is not None:
         return "transient" if code in TRANSIENT_CODES or status in TRANSIENT_STATUS else "fatal"
     if isinstance(e, FATAL_TYPES):
-        return "fatal"
+        # fsspec's http filesystem says FileNotFoundError for a server it cannot reach: a missing
+        # object is one the server said is missing, so an unreachable server under it is transient.
+        cause = e.__cause__
+        return "transient" if cause is not None and classify(cause) == "transient" else "fatal"
     if isinstance(e, (ConnectionError, TimeoutError)):
         return "transient"
     if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
