@@ -30,6 +30,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self.resets = 0  # connections reset or refused during outages
+        self._trigger: tuple[bytes, float] | None = None
+        self.cuts = 0
         threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
 
     @property
@@ -44,6 +46,11 @@ class FaultProxy:
         self.resets += len(doomed)
         for sock in doomed:
             _reset(sock)
+
+    def cut_at(self, request: bytes, seconds: float) -> None:
+        """Cut for ``seconds`` when the next request holding ``request`` (a key's path) passes:
+        the outage then surely meets that read (HTTP to moto is plain text)."""
+        self._trigger = (request, seconds)
 
     def close(self) -> None:
         self._server.close()
@@ -75,6 +82,10 @@ class FaultProxy:
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                trigger = self._trigger
+                if trigger is not None and trigger[0] in data:
+                    self._trigger, self.cuts = None, self.cuts + 1
+                    self.cut(trigger[1])
                 if self.down:
                     break
                 sink.sendall(data)
