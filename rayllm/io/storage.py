@@ -210,21 +210,53 @@ def _lazy_handler_class():
             return (_make_lazy_handler, (self._uri, self._storage))
 
         def open_output_stream(self, path, metadata):
-            """Written whole at close, with retries (rayllm.io.retry): Ray Train writes only its
-            small run snapshot through here, and a blip must not end its controller."""
-            return pyarrow.PythonFile(_UploadOnClose(self.fs, path), mode="w")
-
-    class _UploadOnClose(io.BytesIO):
-        def __init__(self, fs, path: str):
-            super().__init__()
-            self._fs, self._path = fs, path
-
-        def close(self) -> None:
-            if not self.closed:
-                self._fs.pipe_file(self._path, self.getvalue())
-            super().close()
+            """A small file (Ray Train's run snapshot) is written whole at close, with retries
+            (rayllm.io.retry), so a blip does not end Ray Train's controller; a large one (a
+            prepared shard) streams as before, not held in memory."""
+            return pyarrow.PythonFile(_WholeIfSmall(self.fs, path), mode="w")
 
     return LazyFSSpecHandler
+
+
+class _WholeIfSmall:
+    """A write stream kept in memory up to WHOLE_WRITE_BYTES and then put whole (``pipe_file``,
+    retried); past that size it becomes the filesystem's own stream."""
+
+    WHOLE_WRITE_BYTES = 64 << 20
+
+    def __init__(self, fs, path: str):
+        self._fs, self._path = fs, path
+        self._buffer: io.BytesIO | None = io.BytesIO()
+        self._stream = None
+        self._written = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        if self._stream is None and self._written + len(data) > self.WHOLE_WRITE_BYTES:
+            self._stream = self._fs.open(self._path, "wb")
+            self._stream.write(self._buffer.getvalue())
+            self._buffer = None
+        (self._stream or self._buffer).write(data)
+        self._written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._written
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._stream is not None:
+            self._stream.close()
+        else:
+            self._fs.pipe_file(self._path, self._buffer.getvalue())
 
 
 def _make_lazy_handler(uri: str, storage: StorageSettings):

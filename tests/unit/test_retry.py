@@ -225,3 +225,20 @@ def test_a_dropped_connections_task_exception_is_not_printed(caplog):
     loop.close()
     never_retrieved = [r for r in caplog.records if "Task exception was never retrieved" in r.getMessage()]
     assert len(never_retrieved) == 1 and "a bug" in str(never_retrieved[0].exc_info or caplog.text)
+
+
+def test_ray_trains_small_files_go_whole_and_large_ones_stream(monkeypatch):
+    import fsspec
+
+    from rayllm.io import storage
+
+    fs, root = storage.pyarrow_filesystem("memory://rayllm-retry-test/run", StorageSettings())
+    monkeypatch.setattr(storage._WholeIfSmall, "WHOLE_WRITE_BYTES", 10)
+    with fs.open_output_stream(root + "/snapshot.json") as f:  # one put, retried as a whole
+        f.write(b"12345")
+    with fs.open_output_stream(root + "/shard.parquet") as f:  # past the bound: the filesystem's stream
+        for part in (b"abcdef", b"ghijklmn", b"op"):
+            f.write(part)
+    memory = fsspec.filesystem("memory")
+    assert memory.cat_file("/rayllm-retry-test/run/snapshot.json") == b"12345"
+    assert memory.cat_file("/rayllm-retry-test/run/shard.parquet") == b"abcdefghijklmnop"
