@@ -135,7 +135,7 @@ RANGES: dict[str, tuple[Range, str]] = {
         Range(1, 1000),
         "set attempts in a row that may end without a new checkpoint before the run stops, for example 5",
     ),
-    "storage.retry_deadline_s": (_SECONDS, "set seconds to retry a storage or network error, for example 180"),
+    "storage.retry_deadline_s": (_SECONDS, "set seconds to retry a storage or network error, for example 90"),
     "cluster.resize_interval_s": (_SECONDS, "set seconds between checks for room to grow, for example 60"),
     "cluster.health_check_interval_s": (_SECONDS_OR_NULL, "set seconds between polls, or null to derive them"),
     "cluster.resource_wait_s": (_SECONDS, "set seconds to wait for room for the workers, for example 300"),

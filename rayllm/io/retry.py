@@ -72,6 +72,8 @@ TRANSIENT_TYPES = (
     ("botocore.exceptions", "HTTPClientError"),  # EndpointConnectionError, ConnectTimeout, ReadTimeout...
     ("aiohttp", "ClientConnectionError"),  # ServerDisconnectedError, ClientOSError...
     ("aiohttp", "ClientPayloadError"),
+    ("botocore.exceptions", "IncompleteReadError"),
+    ("http.client", "IncompleteRead"),
     ("fsspec.exceptions", "FSTimeoutError"),
     ("urllib3.exceptions", "ProtocolError"),
     ("requests.exceptions", "ConnectionError"),
