@@ -18,7 +18,7 @@ from ray.train.v2._internal.execution.failure_handling import (
 )
 
 from rayllm.errors import RayllmError
-from rayllm.io.retry import chain, is_transient, members
+from rayllm.io.retry import chain, describe, is_transient, members, root_causes
 
 FATAL_MARKERS = ("rayllm.errors.DataError: ", "rayllm.errors.ConfigError: ", "rayllm.errors.RayllmError: ")
 
@@ -32,7 +32,8 @@ def _errors_inside(error: BaseException):
 
 
 def failure_message(error: BaseException) -> str:
-    """The first user-facing rayllm error inside a Ray Train failure, or the error itself."""
+    """The first user-facing rayllm error inside a Ray Train failure, else its root causes, one
+    line each (not Ray Train's summary with every worker's traceback)."""
     for e in _errors_inside(error):
         if isinstance(e, RayllmError):
             return str(e)
@@ -40,7 +41,7 @@ def failure_message(error: BaseException) -> str:
     for marker in FATAL_MARKERS:
         if marker in text:
             return text.split(marker, 1)[1].splitlines()[0]
-    return text
+    return "; ".join(dict.fromkeys(describe(root) for root in root_causes(error))) or text
 
 
 def is_fatal(error: BaseException) -> bool:

@@ -105,3 +105,12 @@ def test_out_of_range_keys_are_refused(key):
 
     with pytest.raises(ConfigError, match=key.split("=")[0]):
         TrainConfig.from_yaml("configs/tiny.yaml", overrides=[key])
+
+
+def test_a_run_that_runs_out_of_restarts_names_the_root_cause_in_one_line():
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    outage = raised(StorageUnavailable("reading shard s3://b/x: storage did not answer for 90 s"))
+    error = WorkerGroupError("Traceback (most recent call last): ...", {0: outage, 1: outage})
+    assert not is_fatal(error)
+    assert failure_message(error) == "StorageUnavailable: reading shard s3://b/x: storage did not answer for 90 s"
