@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, TypeVar
 
 from rayllm.errors import RayllmError, StorageUnavailable
+from rayllm.io.credentials import redact_url
 
 T = TypeVar("T")
 Verdict = Literal["transient", "fatal"]
@@ -181,9 +182,10 @@ def root_causes(error: BaseException) -> list[BaseException]:
 
 
 def describe(error: BaseException) -> str:
-    """One line: the error's type and the first line of its message."""
+    """One line: the error's type and the first line of its message, any password in a URL
+    redacted (botocore names the endpoint URL it could not reach)."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
+    return redact_url(f"{type(error).__name__}: {lines[0][:300] if lines else ''}".rstrip(": "))
 
 
 class Episode:

@@ -242,3 +242,16 @@ def test_ray_trains_small_files_go_whole_and_large_ones_stream(monkeypatch):
     memory = fsspec.filesystem("memory")
     assert memory.cat_file("/rayllm-retry-test/run/snapshot.json") == b"12345"
     assert memory.cat_file("/rayllm-retry-test/run/shard.parquet") == b"abcdefghijklmnop"
+
+
+def test_a_retry_line_shows_no_password_of_the_endpoint(caplog, monkeypatch):
+    monkeypatch.setattr(Episode, "FIRST_WAIT_S", 0.01)
+
+    def down():
+        raise ConnectionRefusedError(111, "Could not connect to http://admin:hunter2@127.0.0.1:9/bucket/x")
+
+    with caplog.at_level(logging.WARNING, logger="rayllm.storage"):
+        with pytest.raises(StorageUnavailable) as caught:
+            retrying(down, "reading x", deadline_s=0.05)
+    assert "hunter2" not in caplog.text and "hunter2" not in str(caught.value)
+    assert "<redacted>@127.0.0.1:9" in caplog.text
