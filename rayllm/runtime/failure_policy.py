@@ -16,6 +16,7 @@ from ray.train.v2._internal.execution.failure_handling import (
     FailureDecision,
     FailurePolicy,
 )
+from ray.train.v2.api.exceptions import ControllerError
 
 from rayllm.errors import RayllmError
 from rayllm.io.retry import chain, describe, is_transient, members, root_causes
@@ -56,13 +57,21 @@ def is_fatal(error: BaseException) -> bool:
 
 
 class RayllmFailurePolicy(FailurePolicy):
-    """Ray Train's default policy, except that a rayllm error ends the run at the first failure."""
+    """Ray Train's default policy, except that a rayllm error ends the run at the first failure,
+    and a storage outage that reaches Ray Train's controller (its run snapshot, written to run.dir
+    at each reported checkpoint) restarts the attempt like a worker's would, up to max_failures:
+    Ray Train's own policy ends the run at any controller error but a failed start."""
 
     def __init__(self, failure_config):
         super().__init__(failure_config)
         self._default = DefaultFailurePolicy(failure_config)
+        self._controller_outages = 0
 
     def make_decision(self, training_failed_error) -> FailureDecision:
         if is_fatal(training_failed_error):
             return FailureDecision.RAISE
+        if isinstance(training_failed_error, ControllerError) and is_transient(training_failed_error):
+            self._controller_outages += 1
+            limit = self.failure_config.max_failures
+            return FailureDecision.RETRY if limit == -1 or self._controller_outages <= limit else FailureDecision.RAISE
         return self._default.make_decision(training_failed_error)

@@ -114,3 +114,20 @@ def test_a_run_that_runs_out_of_restarts_names_the_root_cause_in_one_line():
     error = WorkerGroupError("Traceback (most recent call last): ...", {0: outage, 1: outage})
     assert not is_fatal(error)
     assert failure_message(error) == "StorageUnavailable: reading shard s3://b/x: storage did not answer for 90 s"
+
+
+def test_an_outage_in_ray_trains_controller_restarts_the_attempt_up_to_max_failures():
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from rayllm.runtime.failure_policy import RayllmFailurePolicy
+
+    policy = RayllmFailurePolicy(FailureConfig(max_failures=2))
+    outage = ControllerError(raised(StorageUnavailable("pipe_file run/checkpoint_manager_snapshot.json: ...")))
+    assert [policy.make_decision(outage) for _ in range(3)] == [
+        FailureDecision.RETRY,
+        FailureDecision.RETRY,
+        FailureDecision.RAISE,
+    ]
+    assert policy.make_decision(ControllerError(raised(KeyError("a bug")))) == FailureDecision.RAISE
