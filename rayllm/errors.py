@@ -19,3 +19,12 @@ class DataError(RayllmError):
 
 class CheckpointError(RayllmError):
     """A checkpoint or model folder cannot be found, read, or used for this model."""
+
+
+class StorageUnavailable(Exception):
+    """Object storage or the network did not answer within ``storage.retry_deadline_s``.
+
+    Deliberately not a ``RayllmError``: nothing is wrong with the user's input, so the failure
+    policy restarts the attempt from the latest checkpoint instead of ending the run, and
+    ``data.on_bad_shard: skip`` never drops a good shard for it.
+    """

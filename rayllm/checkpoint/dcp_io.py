@@ -7,6 +7,7 @@ folder a checkpoint (rank 0's state, the commit marker) is store.py's business.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from concurrent.futures import Future
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
@@ -23,8 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from rayllm.checkpoint.store import require_whole
-from rayllm.errors import CheckpointError
+from rayllm.errors import CheckpointError, StorageUnavailable
 from rayllm.io.redact import display_uri
+from rayllm.io.retry import describe, is_transient, retrying, root_causes
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem, is_remote, storage_options
 
@@ -48,10 +51,28 @@ def reader(uri: str, storage: StorageSettings):
     return FsspecReader(uri, **storage_options(uri, storage))
 
 
+@contextlib.contextmanager
+def transient_as_unavailable(what: str):
+    """A DCP save or load is collective: one rank cannot retry it alone, and every rank gets the
+    same ``CheckpointException`` (its per-rank errors gathered), so each one raises the same:
+    ``StorageUnavailable`` naming the root cause when every rank's error is transient (the attempt
+    restarts from the latest checkpoint), else DCP's error as it is (rayllm.io.retry)."""
+    try:
+        yield
+    except CheckpointException as e:
+        if not is_transient(e):
+            raise
+        causes = "; ".join(sorted({describe(root) for root in root_causes(e)}))
+        raise StorageUnavailable(
+            f"{what}: storage failed on every rank that wrote ({causes}); the attempt restarts"
+        ) from e
+
+
 def save(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimizer) -> None:
     """Collective: every rank writes its shards into the folder ``uri``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer(uri, storage))
+    with transient_as_unavailable(f"writing checkpoint {uri}"):
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer(uri, storage))
 
 
 class AsyncWriter:
@@ -93,14 +114,19 @@ class AsyncWriter:
 
 
 def check_model_shapes(
-    checkpoint_reader, directory: str, model_state: dict[str, Any], what: str = "the config's model"
+    checkpoint_reader,
+    directory: str,
+    model_state: dict[str, Any],
+    what: str = "the config's model",
+    retry_deadline_s: float = StorageSettings.retry_deadline_s,
 ) -> None:
     """Refuse, by name, a checkpoint whose model tensors do not have the shapes ``model_state`` has.
 
     DCP's own error for this is a size mismatch deep in its planner; this one names the
     tensors and the fix before anything is read.
     """
-    stored = checkpoint_reader.read_metadata().state_dict_metadata
+    metadata = retrying(checkpoint_reader.read_metadata, f"reading {directory}/.metadata", retry_deadline_s)
+    stored = metadata.state_dict_metadata
     problems = []
     for name, tensor in model_state.items():
         meta = stored.get(f"model.{name}")
@@ -120,9 +146,10 @@ def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimi
     """Collective: restore model and optimizer from the checkpoint at ``uri``, resharded."""
     require_whole(uri, storage)  # every part its marker lists, with its size
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_model_shapes(reader(uri, storage), uri, model_sd)
+    check_model_shapes(reader(uri, storage), uri, model_sd, retry_deadline_s=storage.retry_deadline_s)
     state_dict = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state_dict, storage_reader=reader(uri, storage))
+    with transient_as_unavailable(f"reading checkpoint {uri}"):
+        dcp.load(state_dict, storage_reader=reader(uri, storage))
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
 
 
@@ -131,7 +158,22 @@ def load_whole_model(uri: str, storage: StorageSettings, model: nn.Module, what:
     number of ranks wrote it (DCP reshards). The optimizer state is not read."""
     require_whole(uri, storage)
     model_state = model.state_dict()
-    check_model_shapes(reader(uri, storage), uri, model_state, what=what)
+    check_model_shapes(reader(uri, storage), uri, model_state, what=what, retry_deadline_s=storage.retry_deadline_s)
+    load_one = lambda: dcp.load({"model": model_state}, storage_reader=reader(uri, storage))  # noqa: E731
     with warnings.catch_warnings():  # "no process group: loading in one process" is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model_state}, storage_reader=reader(uri, storage))  # into the model's own tensors
+        # One process: nothing to agree with, so the whole read is retried (into the model's own tensors).
+        retrying(_unwrapped(load_one), f"reading checkpoint {uri}", storage.retry_deadline_s)
+
+
+def _unwrapped(call):
+    """``call`` with DCP's ``CheckpointException`` (a BaseException) turned into an Exception that
+    keeps it as the cause, so that ``retrying`` sees it and classifies its per-rank errors."""
+
+    def called():
+        try:
+            return call()
+        except CheckpointException as e:
+            raise RuntimeError(f"DCP: {'; '.join(describe(r) for r in root_causes(e))}") from e
+
+    return called

@@ -138,6 +138,11 @@ RANGES: dict[str, tuple[Range, str]] = {
     "train.straggler_windows": (_COUNT, "set log windows in a row before a rank is named, for example 3"),
     "cluster.cpus_per_worker": (Range(0, low_open=True), "set CPUs per worker, for example 1"),
     "cluster.max_failures": (Range(-1), "set restarts after failures, for example 3 (-1: without limit, 0: none)"),
+    "cluster.max_attempts_without_progress": (
+        Range(1, 1000),
+        "set attempts in a row that may end without a new checkpoint before the run stops, for example 5",
+    ),
+    "storage.retry_deadline_s": (_SECONDS, "set seconds to retry a storage or network error, for example 90"),
     "cluster.resize_interval_s": (_SECONDS, "set seconds between checks for room to grow, for example 60"),
     "cluster.health_check_interval_s": (_SECONDS_OR_NULL, "set seconds between polls, or null to derive them"),
     "cluster.resource_wait_s": (_SECONDS, "set seconds to wait for room for the workers, for example 300"),

@@ -175,6 +175,10 @@ class ClusterSettings:
     worker_resources: dict[str, float] = field(default_factory=dict)
     # Restarts from the latest checkpoint after a worker, node or rank failure (-1: without limit).
     max_failures: int = 3
+    # Attempts in a row that may end without a new checkpoint (a crash at the same step, a process
+    # killed before its failure could be recorded) before the run stops, naming the step; attempts
+    # ended by a storage outage (storage.retry_deadline_s) do not count.
+    max_attempts_without_progress: int = 5
     # With [min, max] workers: how often Ray Train checks for room to grow the worker group.
     resize_interval_s: float = 60.0
     # How often Ray Train's controller polls the workers: how soon a dead worker is noticed and a

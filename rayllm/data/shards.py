@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from rayllm.errors import DataError
+from rayllm.errors import DataError, StorageUnavailable
 from rayllm.io.redact import display_uri
+from rayllm.io.retry import is_transient, resumable, retrying
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem
 
@@ -53,7 +55,22 @@ def iter_documents(
 ) -> Iterator[str]:
     """Yield each document's text; raise DataError naming the shard when it cannot be read. Records
     left out (a text value that is no string or is empty; one over ``limits`` when skipping) are
-    counted in ``dropped``."""
+    counted in ``dropped``.
+
+    A network error or throttling mid-shard reopens it and skips the documents already given
+    (rayllm.io.retry); past storage.retry_deadline_s it raises StorageUnavailable, which fails
+    the attempt, never the run, and is no reason for data.on_bad_shard: skip to drop the shard.
+    (Records left out before the point of a reopen are counted again: a blip's small overcount.)"""
+
+    def documents_from(given: int) -> Iterator[str]:
+        return itertools.islice(_documents(uri, text_field, storage, limits, dropped), given, None)
+
+    return resumable(documents_from, f"reading shard {display_uri(uri)}", storage.retry_deadline_s)
+
+
+def _documents(
+    uri: str, text_field: str, storage: StorageSettings, limits: ReadLimits | None, dropped: Dropped | None
+) -> Iterator[str]:
     fs, path = filesystem(uri, storage)
     name = path.lower()
     limits, dropped = limits or ReadLimits(), dropped if dropped is not None else Dropped()
@@ -64,20 +81,27 @@ def iter_documents(
             yield from _txt_documents(fs, path, uri, limits, dropped)
         else:
             yield from _jsonl_documents(fs, path, uri, text_field, limits, dropped)
-    except DataError:
-        raise
-    except FileNotFoundError:
-        raise DataError(
-            f"shard {display_uri(uri)} disappeared or cannot be found; check that it still exists"
-        ) from None
-    except PermissionError as e:
-        raise DataError(
+    except Exception as e:
+        mapped = _shard_error(uri, e)
+        if mapped is e:
+            raise
+        raise mapped from None
+
+
+def _shard_error(uri: str, e: Exception) -> Exception:
+    """A read error by its cause: a transient one as it is (retried), else a DataError naming the shard."""
+    if isinstance(e, DataError) or is_transient(e):
+        return e
+    if isinstance(e, FileNotFoundError):
+        return DataError(f"shard {display_uri(uri)} disappeared or cannot be found; check that it still exists")
+    if isinstance(e, PermissionError):
+        return DataError(
             f"shard {display_uri(uri)} cannot be read: access denied ({display_uri(str(e))}); check storage credentials"
-        ) from None
-    except Exception as e:  # pyarrow, gzip, zstd and fsspec errors have no common base
-        raise DataError(
-            f"shard {display_uri(uri)} is unreadable ({type(e).__name__}: {display_uri(str(e))}); fix or remove it"
-        ) from None
+        )
+    # pyarrow, gzip, zstd and fsspec errors have no common base
+    return DataError(
+        f"shard {display_uri(uri)} is unreadable ({type(e).__name__}: {display_uri(str(e))}); fix or remove it"
+    )
 
 
 def _decode(raw: bytes, uri: str) -> str:
@@ -255,14 +279,24 @@ def iter_token_documents(uri: str, storage: StorageSettings) -> Iterator[list[in
     import pyarrow.parquet as pq
 
     fs, path = filesystem(uri, storage)
-    try:
+
+    def column_names() -> list[str]:
         with fs.open(path, "rb") as f:
-            names = pq.ParquetFile(f).schema_arrow.names
+            return pq.ParquetFile(f).schema_arrow.names
+
+    try:
+        names = retrying(column_names, f"reading shard {display_uri(uri)}", storage.retry_deadline_s)
+    except StorageUnavailable:
+        raise
     except Exception:
         return None  # unreadable: the text reader raises the error that names the shard
     if TOKENS_COLUMN not in names:
         return None
-    return _token_lists(fs, path, uri)
+
+    def lists_from(given: int) -> Iterator[np.ndarray]:
+        return itertools.islice(_token_lists(fs, path, uri), given, None)
+
+    return resumable(lists_from, f"reading shard {display_uri(uri)}", storage.retry_deadline_s)
 
 
 def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
@@ -279,11 +313,8 @@ def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
                 for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
                     if hi > lo:
                         yield values[lo:hi]
-    except FileNotFoundError:
-        raise DataError(
-            f"shard {display_uri(uri)} disappeared or cannot be found; check that it still exists"
-        ) from None
     except Exception as e:
-        raise DataError(
-            f"shard {display_uri(uri)} is unreadable ({type(e).__name__}: {display_uri(str(e))}); fix or remove it"
-        ) from None
+        mapped = _shard_error(uri, e)
+        if mapped is e:
+            raise
+        raise mapped from None

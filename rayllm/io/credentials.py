@@ -52,15 +52,21 @@ def resolve(ref) -> dict[str, Any]:
     key = ref.hex()
     if key not in _resolved:
         import ray
+        from ray.exceptions import GetTimeoutError
+
+        from rayllm.errors import DataError, StorageUnavailable
 
         try:
             _resolved[key] = ray.get(ref, timeout=RESOLVE_TIMEOUT_S)
+        except GetTimeoutError:  # a busy object store or a slow network: the next attempt asks again
+            raise StorageUnavailable(
+                f"could not fetch the storage credentials from Ray's object store within {RESOLVE_TIMEOUT_S:g} s; "
+                "the attempt restarts"
+            ) from None
         except Exception as e:
-            from rayllm.errors import DataError
-
             raise DataError(
-                f"could not fetch the storage credentials from Ray's object store within {RESOLVE_TIMEOUT_S:g} s "
-                f"({type(e).__name__}); the driver that owns them may have exited"
+                f"could not fetch the storage credentials from Ray's object store ({type(e).__name__}); the "
+                "driver that owns them may have exited"
             ) from None
     return _resolved[key]
 

@@ -35,6 +35,10 @@ class StorageSettings:
     session_token: str | None = None
     region: str | None = None
     anon: bool = False
+    # How long a read or write retries a network error, a timeout, a 5xx or throttling
+    # (rayllm.io.retry) before the attempt fails and restarts from the latest checkpoint; under the
+    # hang watchdog's least deadline (train.hang_min_s, 120 s), so an outage is named as one.
+    retry_deadline_s: float = 90.0
 
     def _fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -8,6 +8,7 @@ handled the same way everywhere (data shards, run files, Ray Train storage).
 from __future__ import annotations
 
 import functools
+import io
 import os
 import posixpath
 from typing import Any
@@ -16,8 +17,11 @@ import fsspec
 
 from rayllm.errors import DataError
 from rayllm.io.redact import display_uri
+from rayllm.io.retry import RetryingFileSystem
 from rayllm.io.settings import StorageSettings
 
+# Object stores and web servers: reached over the network, so their calls retry transient errors.
+NETWORK_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "http://", "https://")
 SHARD_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".txt")
 
 
@@ -62,6 +66,8 @@ def filesystem(path: str, storage: StorageSettings) -> tuple[fsspec.AbstractFile
             raise
         _forget_half_imported_async_http()
         fs, stripped = fsspec.core.url_to_fs(path, **storage_options(path, storage))
+    if path.startswith(NETWORK_SCHEMES):  # whole-object calls retry a blip (rayllm.io.retry)
+        fs = RetryingFileSystem(fs, storage.retry_deadline_s)
     return fs, stripped
 
 
@@ -215,7 +221,54 @@ def _lazy_handler_class():
         def __reduce__(self):
             return (_make_lazy_handler, (self._uri, self._storage))
 
+        def open_output_stream(self, path, metadata):
+            """A small file (Ray Train's run snapshot) is written whole at close, with retries
+            (rayllm.io.retry), so a blip does not end Ray Train's controller; a large one (a
+            prepared shard) streams as before, not held in memory."""
+            return pyarrow.PythonFile(_WholeIfSmall(self.fs, path), mode="w")
+
     return LazyFSSpecHandler
+
+
+class _WholeIfSmall:
+    """A write stream kept in memory up to WHOLE_WRITE_BYTES and then put whole (``pipe_file``,
+    retried); past that size it becomes the filesystem's own stream."""
+
+    WHOLE_WRITE_BYTES = 64 << 20
+
+    def __init__(self, fs, path: str):
+        self._fs, self._path = fs, path
+        self._buffer: io.BytesIO | None = io.BytesIO()
+        self._stream = None
+        self._written = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        if self._stream is None and self._written + len(data) > self.WHOLE_WRITE_BYTES:
+            self._stream = self._fs.open(self._path, "wb")
+            self._stream.write(self._buffer.getvalue())
+            self._buffer = None
+        (self._stream or self._buffer).write(data)
+        self._written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._written
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._stream is not None:
+            self._stream.close()
+        else:
+            self._fs.pipe_file(self._path, self._buffer.getvalue())
 
 
 def _make_lazy_handler(uri: str, storage: StorageSettings):

@@ -18,7 +18,7 @@ from rayllm.data.stream.protocol import RESTART, DataStreamLost
 from rayllm.data.stream.relay import served_batches, slices_per_object
 from rayllm.errors import RayllmError
 from rayllm.loop.trainer import Trainer
-from rayllm.runtime.control import failure_signature
+from rayllm.runtime.control import failure_record
 from rayllm.runtime.interruption import node_settings
 from rayllm.runtime.signals import WORKER
 
@@ -166,6 +166,7 @@ class RaySession:
         goes as its record, a plain dict, that the driver reads back (events.from_record). A record
         the queue does not take within its deadline is dropped (one warning): a metrics record after
         EMIT_TIMEOUT_S, one the driver's result is made of (MUST_REACH_DRIVER) after MUST_EMIT_TIMEOUT_S."""
+        self._note_progress(event)
         if self._queue is None or (self.rank != 0 and not isinstance(event, events.Failure)):
             return
         must = isinstance(event, MUST_REACH_DRIVER)
@@ -204,6 +205,17 @@ def send_record(queue, record: dict[str, Any], timeout_s: float) -> str | None:
     except Exception as e:  # the driver or its queue is gone
         return f"{type(e).__name__}: {str(e).strip()[:200]}"
     return None
+
+    def _note_progress(self, event: events.RunEvent) -> None:
+        """Rank 0 tells the control actor each step and commit: how it tells an attempt that made
+        progress from a crash loop (control.py), even when the next one dies without a word."""
+        if self._control is None or self.rank != 0 or isinstance(event, events.Failure):
+            return
+        committed = isinstance(event, (events.Checkpoint, events.MemoryCheckpoint))
+        try:
+            self._control.progress.remote(self.attempt, event.step, committed, isinstance(event, events.Start))
+        except Exception:  # the driver is gone: nothing left to count for
+            pass
 
 
 def _preemption_context():
@@ -269,7 +281,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config["keepers"],
         loop_config["stream"],
     )
-    attempt = session.attempt = _begin_attempt(control, session.rank)
+    limit = config.cluster.max_attempts_without_progress
+    attempt = session.attempt = _begin_attempt(control, session.rank, limit)
     session.phases["attempt"] = time.time()
     trainer = None
     try:
@@ -279,23 +292,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         raise  # no restart fixes it; rayllm's failure policy ends the run with it
     except BaseException as e:
         step = trainer.step if trainer is not None else -1
-        signature = failure_signature(e)
-        repeated = ray.get(control.record_failure.remote(attempt, step, signature), timeout=30)
+        # The step loop had begun once the attempt's data stream was open (train_batches).
+        record = failure_record(e, step, in_loop="stream" in session.phases)
+        repeated = ray.get(control.record_failure.remote(attempt, record), timeout=30)
         if repeated:
-            message = f"rank {session.rank} failed the same way at step {step} on a fresh attempt: {signature}"
+            message = f"rank {session.rank} failed the same way {record.where} on a fresh attempt: {record.cause}"
             session.emit(events.Failure(step=step, rank=session.rank, message=message, final=True))
             raise RayllmError(f"{message}. No restart fixes a deterministic error; fix its cause") from e
-        session.emit(events.Failure(step=step, rank=session.rank, node=session.node, message=signature))
+        session.emit(events.Failure(step=step, rank=session.rank, node=session.node, message=record.cause))
         raise
 
 
-def _begin_attempt(control, rank: int) -> int:
-    """This attempt's number, the same on every rank (rank 0 counts it before the others read it)."""
+def _begin_attempt(control, rank: int, max_without_progress: int) -> int:
+    """This attempt's number, the same on every rank (rank 0 counts it before the others read it);
+    or the end of the run, when the attempts before it crashed in a loop (control.py)."""
     import ray
     import torch.distributed as dist
 
     if rank == 0:
-        attempt = ray.get(control.begin_attempt.remote(), timeout=60)
+        start = ray.get(control.begin_attempt.remote(max_without_progress), timeout=60)
+        if start.stop:
+            raise RayllmError(start.stop)
+        attempt = start.attempt
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     if rank != 0:
