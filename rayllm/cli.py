@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_goodput.add_argument("overrides", nargs="*", help="dotted overrides, for example train.max_steps=1200")
     bench_goodput.add_argument("--every", type=float, default=120.0, help="seconds between faults")
     bench_goodput.add_argument("--seed", type=int, default=0, help="seed of the fault mix")
+    bench_goodput.add_argument("--hang-timeout-s", type=float, default=15.0, help="train.hang_timeout_s of both runs")
     bench_goodput.add_argument("--faults", help="comma-separated kinds to draw from (default: the whole mix)")
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
@@ -233,7 +234,9 @@ def _bench_goodput(config, args: argparse.Namespace) -> int:
 
     from rayllm.bench import goodput
 
-    options = goodput.Options(every_s=args.every, seed=args.seed, faults=goodput.parse_faults(args.faults))
+    options = goodput.Options(
+        every_s=args.every, seed=args.seed, faults=goodput.parse_faults(args.faults), hang_timeout_s=args.hang_timeout_s
+    )
     root = config.run.dir if any(o.startswith("run.dir=") for o in args.overrides) else None
     root = root or tempfile.mkdtemp(prefix="rayllm-bench-goodput-")  # never resume a real run
     print(goodput.format_report(goodput.run(config, root, options), options))

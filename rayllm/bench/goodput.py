@@ -51,6 +51,9 @@ class Options:
     seed: int = 0
     faults: tuple[str, ...] = FAULTS
     node_gap_s: float = 5.0
+    # A hung rank is found by its peers' watchdog after train.hang_timeout_s (by default at least
+    # 120 s, sized for real collectives); both runs take this one, which the report names.
+    hang_timeout_s: float = 15.0
 
 
 def parse_faults(text: str | None) -> tuple[str, ...]:
@@ -126,7 +129,8 @@ class SimulatedCluster:
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.workers = [self.cluster.add_node(**WORKER_NODE) for _ in range(2)]
         self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, logging_level="WARNING")
+        # The report is the output: the workers' tracebacks of each fault stay in the Ray logs.
+        ray.init(address=self.cluster.address, logging_level="WARNING", log_to_driver=False)
         # Processes that Ray Train starts and that find their cluster by themselves join this one,
         # not another Ray on the machine.
         self._address_before = os.environ.get("RAY_ADDRESS")
@@ -149,7 +153,7 @@ class SimulatedCluster:
             os.environ["RAY_ADDRESS"] = self._address_before
 
 
-def bench_config(config: TrainConfig, run_dir: str) -> TrainConfig:
+def bench_config(config: TrainConfig, run_dir: str, options: Options) -> TrainConfig:
     """The config both runs train: one worker per worker node, in-memory checkpoints every step,
     every step logged, every sequence's id recorded in checkpoints that are all kept."""
     out = copy.deepcopy(config)
@@ -163,6 +167,7 @@ def bench_config(config: TrainConfig, run_dir: str) -> TrainConfig:
     out.train.keep_checkpoints = 1_000_000
     out.data.record_ids = True
     out.tracking.enabled = False
+    out.train.hang_timeout_s = options.hang_timeout_s
     return out
 
 
@@ -287,8 +292,8 @@ def run(config: TrainConfig, root: str, options: Options) -> Report:
         raise RayllmError(f"{root} is not empty; give the benchmark a fresh run.dir")
     cluster = SimulatedCluster()
     try:
-        undisturbed = _timed_run(bench_config(config, f"{root}/undisturbed"), None)
-        faulted_config = bench_config(config, f"{root}/faulted")
+        undisturbed = _timed_run(bench_config(config, f"{root}/undisturbed", options), None)
+        faulted_config = bench_config(config, f"{root}/faulted", options)
         injector = Injector(cluster, faulted_config.run.dir, options)
         faulted = _timed_run(faulted_config, injector)
     finally:
@@ -301,7 +306,7 @@ def format_report(report: Report, options: Options) -> str:
     u, f = report.undisturbed, report.faulted
     lines = [
         f"goodput: a fault every {options.every_s:.0f} s (seed {options.seed}, mix {', '.join(options.faults)}), "
-        f"2 worker nodes of one training worker each",
+        f"2 worker nodes of one training worker each, train.hang_timeout_s {options.hang_timeout_s:.0f} s",
         f"  effective training time ratio   {report.ratio:.3f}   ({u.wall_s:.0f} s undisturbed / {f.wall_s:.0f} s)",
         f"  faults delivered                {len(report.faults)}   ({f.attempts} attempts)",
         f"  steps trained twice             {f.steps_repeated}   (of {f.steps - f.steps_repeated})",

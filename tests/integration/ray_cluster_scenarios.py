@@ -38,8 +38,8 @@ from helpers import checkpoint_registered, read_records  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from rayllm import TrainConfig, train  # noqa: E402
+from rayllm.bench.goodput import NODE_OBJECT_STORE, WORKER_NODE  # noqa: E402 (object store: no spilling)
 
-WORKER_NODE = {"num_cpus": 1, "resources": {"trainer": 1}}
 PAUSE_AT = 150  # the chaos run waits before this step until its last event has landed
 
 
@@ -399,7 +399,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # A dashboard port of its own: the test session's local Ray already serves the default one,
     # and Ray Train's controller needs this cluster's dashboard (state API).
-    head = {"num_cpus": 2, "dashboard_host": "127.0.0.1", "dashboard_port": args["dashboard_port"]}
+    head = {
+        "num_cpus": 2,
+        "object_store_memory": NODE_OBJECT_STORE,
+        "dashboard_host": "127.0.0.1",
+        "dashboard_port": args["dashboard_port"],
+    }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     port = args.get("metadata_port")
     nodes = [cluster.add_node(**WORKER_NODE, **with_env(node_env(port, f"n{i}"))) for i in range(2)]
