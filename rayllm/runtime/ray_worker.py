@@ -181,6 +181,17 @@ class RaySession:
             logging.getLogger(__name__).warning("progress records no longer reach the driver (dropped): %s", error)
         self._emit_failed = True
 
+    def _note_progress(self, event: events.RunEvent) -> None:
+        """Rank 0 tells the control actor each step and commit: how it tells an attempt that made
+        progress from a crash loop (control.py), even when the next one dies without a word."""
+        if self._control is None or self.rank != 0 or isinstance(event, events.Failure):
+            return
+        committed = isinstance(event, (events.Checkpoint, events.MemoryCheckpoint))
+        try:
+            self._control.progress.remote(self.attempt, event.step, committed, isinstance(event, events.Start))
+        except Exception:  # the driver is gone: nothing left to count for
+            pass
+
 
 EMIT_TIMEOUT_S = 5.0  # a metrics record waits this long for the driver's queue, then is dropped
 MUST_EMIT_TIMEOUT_S = 60.0  # a record the driver's result is made of waits longer, then is named and dropped
@@ -205,17 +216,6 @@ def send_record(queue, record: dict[str, Any], timeout_s: float) -> str | None:
     except Exception as e:  # the driver or its queue is gone
         return f"{type(e).__name__}: {str(e).strip()[:200]}"
     return None
-
-    def _note_progress(self, event: events.RunEvent) -> None:
-        """Rank 0 tells the control actor each step and commit: how it tells an attempt that made
-        progress from a crash loop (control.py), even when the next one dies without a word."""
-        if self._control is None or self.rank != 0 or isinstance(event, events.Failure):
-            return
-        committed = isinstance(event, (events.Checkpoint, events.MemoryCheckpoint))
-        try:
-            self._control.progress.remote(self.attempt, event.step, committed, isinstance(event, events.Start))
-        except Exception:  # the driver is gone: nothing left to count for
-            pass
 
 
 def _preemption_context():
