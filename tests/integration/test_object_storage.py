@@ -203,8 +203,8 @@ def test_s3_opens_in_a_process_whose_aiohttp_import_was_cut_short():
         "from rayllm.io.settings import StorageSettings\n"
         "from rayllm.io.storage import filesystem\n"
         "fs, _ = filesystem('s3://bucket/x', StorageSettings(endpoint_url='http://127.0.0.1:9', anon=True))\n"
-        "print(type(fs).__name__)\n"
+        "print(repr(fs))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "S3FileSystem"
+    assert "S3FileSystem" in proc.stdout  # s3fs's (inside rayllm's retrying wrapper)
