@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from rayllm.checkpoint.store import put_small_file
 from rayllm.errors import RayllmError
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem
@@ -170,7 +171,8 @@ class RunDirLease:
     def _write(self) -> None:
         record = LeaseRecord(self.owner, time.time(), self.timeout_s)
         self.fs.makedirs(self.root, exist_ok=True)
-        self.fs.pipe_file(self.path, json.dumps(record.to_json()).encode())
+        # Whole or not at all: a taker reading back mid-write must see a lease, not an empty file.
+        put_small_file(self.fs, self.path, json.dumps(record.to_json()).encode())
 
     def _renew(self) -> None:
         """Every quarter of the timeout: check the lease is still ours, then renew the heartbeat.
