@@ -8,15 +8,20 @@ runs record the resolved tree.
 
 from __future__ import annotations
 
+import os
+
 from rayllm.config import HF_SHAPE_KEYS, TrainConfig
 from rayllm.config.checks import check_model
 from rayllm.errors import CheckpointError, ConfigError
 from rayllm.io.redact import display_uri
-from rayllm.io.storage import filesystem, join
+from rayllm.io.storage import filesystem, is_remote, join
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
-    """``config`` with model.init_from's folder read in; changed in place, so every holder of the tree sees it."""
+    """``config`` with model.init_from's folder read in and a local run.dir made absolute; changed in
+    place, so every holder of the tree sees it."""
+    if not is_remote(config.run.dir):  # Ray Train's workers run in a folder of their own
+        config.run.dir = os.path.abspath(os.path.expanduser(config.run.dir.removeprefix("file://")))
     folder = config.model.init_from
     if folder:
         hf = _read_hf_config(folder, config)
