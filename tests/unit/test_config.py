@@ -7,7 +7,7 @@ import types
 import typing
 
 import pytest
-from helpers import hf_folder
+from helpers import REPO, hf_folder
 
 from rayllm import ConfigError, TrainConfig
 from rayllm.config import RANGES
@@ -345,3 +345,14 @@ def test_no_module_imports_itself_back():
     anywhere = {name: edges[1] for name, edges in graph.items()}
     circles = sorted(name for name in anywhere if _reaches(anywhere, name, name))
     assert not circles, f"import circles through function-level imports: {circles}"
+
+
+def test_a_local_run_dir_is_made_absolute_on_the_driver(tmp_path, monkeypatch):
+    """Ray Train's workers run in a folder of their own: a relative run.dir there names another place."""
+    from rayllm.config.resolve import resolve
+
+    monkeypatch.chdir(tmp_path)
+    config = resolve(TrainConfig.from_yaml(str(REPO / "configs/tiny.yaml"), overrides=["run.dir=runs/x"]))
+    assert config.run.dir == str(tmp_path / "runs" / "x")
+    remote = resolve(TrainConfig.from_yaml(str(REPO / "configs/tiny.yaml"), overrides=["run.dir=s3://b/r"]))
+    assert remote.run.dir == "s3://b/r"
