@@ -244,3 +244,35 @@ def kill_ray_head(temp_dir, gcs_address: str) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
+
+
+def run_cluster_scenarios(args: dict, timeout_s: float) -> tuple[dict, str]:
+    """Run ray_cluster_scenarios.py in a session of its own (its simulated cluster never meets this
+    test session's Ray); (each scenario's records, its output). Past ``timeout_s``: SIGTERM first,
+    so the script shuts its cluster down, whose processes would otherwise outlive it and be found
+    by the next ray.init on this machine; then SIGKILL."""
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    script = REPO / "tests" / "integration" / "ray_cluster_scenarios.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"the cluster scenarios ran past {timeout_s:,.0f} s:\n" + stdout[-3000:] + stderr[-5000:])
+    lines = [line for line in stdout.splitlines() if line.startswith("SCENARIOS ")]
+    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
+    return json.loads(lines[-1].removeprefix("SCENARIOS ")), stdout + stderr

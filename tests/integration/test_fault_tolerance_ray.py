@@ -7,15 +7,8 @@ of an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from helpers import TEST_MODEL, free_port
+from helpers import TEST_MODEL, free_port, run_cluster_scenarios
 
 pytestmark = pytest.mark.slow
 # Enough steps for every event to land mid-run: each comes a few steps after the restart before
@@ -50,30 +43,7 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
         "dashboard_port": free_port(),
         "scenarios": ["reference", "chaos", "init_from"],
     }
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("ray_cluster_scenarios.py")), json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=1200)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: the script shuts its cluster down, whose processes would otherwise
-        # outlive it and be found by the next ray.init on this machine.
-        proc.terminate()
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        pytest.fail("the cluster scenarios ran past 1,200 s:\n" + stdout[-3000:] + stderr[-5000:])
-    lines = [line for line in stdout.splitlines() if line.startswith("SCENARIOS ")]
-    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
-    found = json.loads(lines[-1].removeprefix("SCENARIOS "))
+    found, _ = run_cluster_scenarios(args, timeout_s=1200)
     print({name: round(run["seconds"]) for name, run in found.items()})  # where the time goes (pytest -s)
     return found
 

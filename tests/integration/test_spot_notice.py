@@ -7,45 +7,12 @@ sequence exactly once; the restart is the run's one allowed failure (cluster.max
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from helpers import TEST_MODEL, free_port
+from helpers import TEST_MODEL, free_port, run_cluster_scenarios
 
 pytestmark = pytest.mark.slow
 STEPS, G = 10, 8
 NOTICE_AT = 6  # ray_cluster_scenarios.NOTICE_AT: every rank holds before it until the notice landed
-
-
-def run_scenario(args: dict) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    script = Path(__file__).with_name("ray_cluster_scenarios.py")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), json.dumps(args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the script shuts its cluster down on SIGTERM
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        pytest.fail("the notice scenario ran past 600 s:\n" + stdout[-3000:] + stderr[-5000:])
-    lines = [line for line in stdout.splitlines() if line.startswith("SCENARIOS ")]
-    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
-    return json.loads(lines[-1].removeprefix("SCENARIOS "))["notice"], stdout + stderr
 
 
 def test_a_spot_notice_to_one_node_checkpoints_at_the_next_step_and_the_run_moves_off_it(
@@ -75,7 +42,8 @@ def test_a_spot_notice_to_one_node_checkpoints_at_the_next_step_and_the_run_move
         "metadata_port": free_port(),
         "scenarios": ["notice"],
     }
-    run, output = run_scenario(args)
+    found, output = run_cluster_scenarios(args, timeout_s=600)
+    run = found["notice"]
     assert run["drained"], "the noticed node was never drained"
     assert run["error"] is None, run["error"]
     assert run["served_at"] == NOTICE_AT - 1, run["served_at"]
