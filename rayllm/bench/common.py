@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import types
 from typing import Any
@@ -30,6 +31,27 @@ def read_records(run_dir: str, kind: str | None = None) -> list[dict[str, Any]]:
         return []
     records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
     return records if kind is None else [r for r in records if r.get("kind") == kind]
+
+
+def train_in_thread(config: TrainConfig) -> tuple[threading.Thread, dict[str, Any], threading.Event]:
+    """``rayllm.train(config)`` in a daemon thread, so that a benchmark can act on the run meanwhile:
+    (the thread, a box that receives ``result`` or ``error``, an event set when it has ended)."""
+    from rayllm.runtime.launch import train
+
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["result"] = train(config, quiet=True)
+        except BaseException as e:  # the benchmark reports it
+            box["error"] = e
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box, done
 
 
 def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:

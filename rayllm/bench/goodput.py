@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter
 
-from rayllm.bench.common import read_records
+from rayllm.bench.common import read_records, train_in_thread
 from rayllm.config import TrainConfig
 from rayllm.errors import ConfigError, RayllmError
 
@@ -262,22 +262,8 @@ def _time_faults(run_dir: str, faults: list[Fault]) -> None:
 
 def _timed_run(config: TrainConfig, injector: Injector | None) -> RunFigures:
     """The run in a thread; the faults from this, the main thread (Ray adds nodes only from it)."""
-    from rayllm.runtime.launch import train
-
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def target() -> None:
-        try:
-            box["result"] = train(config, quiet=True)
-        except BaseException as e:  # reported below
-            box["error"] = e
-        finally:
-            done.set()
-
     started = time.time()
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    thread, box, done = train_in_thread(config)
     if injector:
         injector.run(done)
     thread.join()

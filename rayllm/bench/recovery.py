@@ -26,11 +26,9 @@ import copy
 import dataclasses
 import os
 import signal
-import threading
 import time
-from typing import Any
 
-from rayllm.bench.common import read_records
+from rayllm.bench.common import read_records, train_in_thread
 from rayllm.config import TrainConfig
 from rayllm.errors import RayllmError
 
@@ -62,7 +60,6 @@ def _latest_step(run_dir: str) -> int:
 
 def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> Result:
     from rayllm.ray_cluster import connect_ray
-    from rayllm.runtime.launch import train
     from rayllm.runtime.room import run_cpus
 
     if config.cluster.max_failures < 1:
@@ -86,17 +83,8 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
 
     job = ray.get_runtime_context().get_job_id()  # on a shared cluster, kill only this run's workers
 
-    box: dict[str, Any] = {}
     started = time.time()
-
-    def target() -> None:
-        try:
-            box["result"] = train(config, quiet=True)
-        except BaseException as e:  # reported below
-            box["error"] = e
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
+    thread, box, _ = train_in_thread(config)
     killed_at = None
     while thread.is_alive() and time.time() - started < timeout_s:
         if _latest_step(run_dir) >= kill_after:
