@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_goodput.add_argument("--seed", type=int, default=0, help="seed of the fault mix")
     bench_goodput.add_argument("--hang-timeout-s", type=float, default=15.0, help="train.hang_timeout_s of both runs")
     bench_goodput.add_argument("--faults", help="comma-separated kinds to draw from (default: the whole mix)")
+    bench_goodput.add_argument(
+        "--storage",
+        choices=("s3", "local"),
+        default="s3",
+        help="s3: shards, checkpoints and records in a bucket of moto's S3 server on 127.0.0.1 (needs moto[server]), "
+        "which the storage fault takes off the network; local: on disk, no storage fault",
+    )
+    bench_goodput.add_argument("--outage-s", type=float, default=20.0, help="how long a storage outage lasts")
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
     bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
@@ -235,7 +243,12 @@ def _bench_goodput(config, args: argparse.Namespace) -> int:
     from rayllm.bench import goodput
 
     options = goodput.Options(
-        every_s=args.every, seed=args.seed, faults=goodput.parse_faults(args.faults), hang_timeout_s=args.hang_timeout_s
+        every_s=args.every,
+        seed=args.seed,
+        faults=goodput.parse_faults(args.faults, args.storage),
+        hang_timeout_s=args.hang_timeout_s,
+        storage=args.storage,
+        outage_s=args.outage_s,
     )
     root = config.run.dir if any(o.startswith("run.dir=") for o in args.overrides) else None
     root = root or tempfile.mkdtemp(prefix="rayllm-bench-goodput-")  # never resume a real run

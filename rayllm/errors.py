@@ -28,3 +28,10 @@ class StorageUnavailable(Exception):
     policy restarts the attempt from the latest checkpoint instead of ending the run, and
     ``data.on_bad_shard: skip`` never drops a good shard for it.
     """
+
+
+class WorkerPreempted(RuntimeError):
+    """A rank's process got SIGTERM (or its node a preemption notice): the run checkpointed and this
+    attempt ends, so that Ray Train restarts it on what remains. Not a user error, and not a
+    failure: it is charged to Ray Train's preemption budget (FailureConfig.max_preemption_failures,
+    unbounded), never to ``cluster.max_failures``."""

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 # Ray reads this at import: every node it starts then advertises 127.0.0.1 (see shared NOTES).
@@ -19,7 +15,7 @@ import pytest  # noqa: E402
 
 pytest.register_assert_rewrite("helpers")  # its asserts explain themselves as a test's do
 
-from helpers import TEST_MODEL, free_port  # noqa: E402
+from helpers import TEST_MODEL  # noqa: E402
 
 from rayllm.data.demo_corpus import stdlib_modules  # noqa: E402
 
@@ -92,23 +88,7 @@ def ray_local():
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server in server mode on 127.0.0.1 over HTTP; yields its endpoint URL."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("moto server did not start")
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=10)
+    from rayllm.bench.local_s3 import moto_server
+
+    with moto_server() as endpoint:
+        yield endpoint

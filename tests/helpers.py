@@ -1,6 +1,6 @@
 """Plain helpers both tiers import (``from helpers import ...``; pyproject puts tests/ on the path):
 commands for torchrun, the CLI and `ray start`, a moto S3 client, a stand-in Hugging Face folder,
-and the one reader of a run's metrics.jsonl. Fixtures live in conftest.py."""
+and the reader of a run's metrics.jsonl (rayllm.bench.common's). Fixtures live in conftest.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from rayllm.bench.common import read_records  # noqa: F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parents[1]  # the repository root: configs/, cluster/, jobs/ are under it
 
@@ -39,19 +41,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- a run's records ---------------------------------------------------------------------------------
-def read_records(run_dir, kind: str | None = None) -> list[dict]:
-    """The records of ``run_dir/metrics.jsonl`` in the order written, only those of ``kind`` if given.
-    [] while the file does not exist yet; a last line without its newline is still being written
-    (the run writes a record and its newline at once) and is left for the next read."""
-    try:
-        text = (Path(run_dir) / "metrics.jsonl").read_text()
-    except FileNotFoundError:
-        return []
-    records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-    return records if kind is None else [r for r in records if r.get("kind") == kind]
-
-
+# -- a run's records (read_records: rayllm.bench.common's) ----------------------------------------
 def losses(records: list[dict]) -> dict[int, float]:
     """Each logged training step's loss."""
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}

@@ -18,17 +18,23 @@ import torch.nn.functional as F
 
 from rayllm.config import TrainConfig
 from rayllm.data.source import RECORD_DTYPE_FIELDS
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import is_remote, join, read_text
 from rayllm.parallel.process_group import local_device
 
 
-def read_records(run_dir: str, kind: str | None = None) -> list[dict[str, Any]]:
+def read_records(run_dir: str, kind: str | None = None, storage: StorageSettings | None = None) -> list[dict[str, Any]]:
     """The run's metrics.jsonl records in order (stamped by the driver as they arrive), only those of
-    ``kind`` if given; a last line still being written is left for the next read."""
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return []
+    ``kind`` if given; a last line still being written is left for the next read. On object storage
+    (``storage`` given) the file is as the driver last flushed it."""
+    if is_remote(str(run_dir)):
+        text = read_text(join(run_dir, "metrics.jsonl"), storage or StorageSettings()) or ""
+    else:
+        try:
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return []
     records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
     return records if kind is None else [r for r in records if r.get("kind") == kind]
 

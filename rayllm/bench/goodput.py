@@ -9,7 +9,9 @@ delivered the way the world delivers it:
 - ``sigterm``: a training worker SIGTERMed (a spot reclaim, a drain);
 - ``hang``: a training worker SIGSTOPped (a stuck process; its peer's watchdog must fire);
 - ``node``: a worker node removed without warning, a fresh one added ``node_gap_s`` later;
-- ``storage``: the object store unreachable for ``outage_s`` (only with ``--storage s3``).
+- ``storage``: object storage unreachable for ``outage_s``: every connection to it reset, open or
+  new (with ``--storage s3``, the default: both runs read their training shards from and write
+  their checkpoints and records to a bucket of moto's S3 server on 127.0.0.1, behind a proxy).
 
 The report's first figure is the effective training time ratio (the undisturbed run's wall
 time over the faulted run's, the figure Llama 3 reports above 0.9 at 16k GPUs), then the steps
@@ -20,6 +22,7 @@ committed checkpoint) and the two final losses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -30,10 +33,17 @@ import time
 from collections import Counter
 
 from rayllm.bench.common import read_records, train_in_thread
+from rayllm.bench.fault_proxy import FaultProxy
+from rayllm.bench.local_s3 import moto_server
 from rayllm.config import TrainConfig
+from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
 from rayllm.errors import ConfigError, RayllmError
+from rayllm.io.settings import StorageSettings
+from rayllm.io.storage import filesystem, is_remote
 
-FAULTS = ("sigkill", "sigterm", "hang", "node")
+FAULTS = ("sigkill", "sigterm", "hang", "node", "storage")
+STORAGES = ("s3", "local")
+BUCKET = "goodput"
 # Ray's simulated nodes get 150 MiB of object store; the in-memory checkpoints (a node's share
 # of model and optimizer state and a neighbour's, twice while the next is written) would spill
 # to disk every step. 512 MiB holds the tiny config's; a real node has tens of GB.
@@ -54,15 +64,23 @@ class Options:
     # A hung rank is found by its peers' watchdog after train.hang_timeout_s (by default at least
     # 120 s, sized for real collectives); both runs take this one, which the report names.
     hang_timeout_s: float = 15.0
+    storage: str = "s3"
+    # Past a blip, short of storage.retry_deadline_s (90 s): the run must ride it out on retries.
+    outage_s: float = 20.0
 
 
-def parse_faults(text: str | None) -> tuple[str, ...]:
-    """The mix from ``--faults`` (comma-separated kinds); the whole mix when not given."""
+def parse_faults(text: str | None, storage: str = "s3") -> tuple[str, ...]:
+    """The mix from ``--faults`` (comma-separated kinds); when not given, the whole mix (without
+    the storage outage on local disk, which no outage reaches)."""
+    if storage not in STORAGES:
+        raise ConfigError(f"--storage {storage!r} is unknown; choose from {', '.join(STORAGES)}")
     if text is None:
-        return FAULTS
+        return FAULTS if storage == "s3" else tuple(kind for kind in FAULTS if kind != "storage")
     faults = tuple(kind.strip() for kind in text.split(",") if kind.strip())
     if not faults or set(faults) - set(FAULTS):
         raise ConfigError(f"--faults {text!r} names no fault or an unknown one; choose from {', '.join(FAULTS)}")
+    if "storage" in faults and storage != "s3":
+        raise ConfigError("--faults storage needs --storage s3: an outage cannot reach local disk")
     return faults
 
 
@@ -70,7 +88,7 @@ def parse_faults(text: str | None) -> tuple[str, ...]:
 class Fault:
     kind: str
     at: float  # wall clock
-    step: int  # the latest step logged before it
+    step: int = 0  # the latest step logged before it (the driver stamps each record as it comes)
     next_step_s: float | None = None  # to the next completed step
     past_s: float | None = None  # to the first step beyond ``step``
 
@@ -153,6 +171,54 @@ class SimulatedCluster:
             os.environ["RAY_ADDRESS"] = self._address_before
 
 
+class BenchStorage:
+    """Where both runs keep their shards, checkpoints and records: local disk under ``root``, or
+    (``s3``) a bucket of moto's S3 server in front of which a FaultProxy takes the storage off the
+    network for the ``storage`` fault. Enter it to start the server; leave it to stop it."""
+
+    def __init__(self, kind: str, root: str):
+        self.kind, self.root = kind, root
+        self.proxy: FaultProxy | None = None
+        self.settings = StorageSettings()
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> BenchStorage:
+        if self.kind == "s3":
+            self.proxy = FaultProxy(self._stack.enter_context(moto_server()))
+            self._stack.callback(self.proxy.close)
+            self.settings = StorageSettings(endpoint_url=self.proxy.url, key="goodput", secret="goodput")
+            self._fs().mkdir(BUCKET)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def run_dir(self, name: str) -> str:
+        return f"s3://{BUCKET}/{name}" if self.kind == "s3" else f"{self.root}/{name}"
+
+    def with_data(self, config: TrainConfig) -> TrainConfig:
+        """``config`` reading its train and val shards from this storage (local ones copied in)."""
+        if self.kind != "s3":
+            return config
+        out = copy.deepcopy(config)
+        data = out.data
+        if data.demo_corpus and (is_demo_path(data.train) or is_demo_path(data.val)):
+            ensure_demo_corpus()
+        data.demo_corpus = False
+        data.train, data.val = self._upload(data.train, "data/train"), self._upload(data.val, "data/val")
+        out.storage = self.settings
+        return out
+
+    def _upload(self, spec, name: str):
+        if not isinstance(spec, str) or is_remote(spec):
+            return spec  # a mixture or a remote source is read where it is
+        self._fs().put(spec.rstrip("/"), f"{BUCKET}/{name}", recursive=True)
+        return f"s3://{BUCKET}/{name}"
+
+    def _fs(self):
+        return filesystem(f"s3://{BUCKET}", self.settings)[0]
+
+
 def bench_config(config: TrainConfig, run_dir: str, options: Options) -> TrainConfig:
     """The config both runs train: one worker per worker node, in-memory checkpoints every step,
     every step logged, every sequence's id recorded in checkpoints that are all kept."""
@@ -174,10 +240,10 @@ def bench_config(config: TrainConfig, run_dir: str, options: Options) -> TrainCo
 class Injector:
     """Delivers the seeded mix of faults to a running run, one every ``every_s`` seconds."""
 
-    def __init__(self, cluster: SimulatedCluster, run_dir: str, options: Options):
+    def __init__(self, cluster: SimulatedCluster, storage: BenchStorage, options: Options):
         import ray
 
-        self.cluster, self.run_dir, self.options = cluster, run_dir, options
+        self.cluster, self.storage, self.options = cluster, storage, options
         self.rng = random.Random(options.seed)
         self.job = ray.get_runtime_context().get_job_id()
         self.delivered: list[Fault] = []
@@ -185,15 +251,17 @@ class Injector:
     def run(self, done: threading.Event) -> None:
         started = time.time()
         while not done.wait(max(0.0, started + (len(self.delivered) + 1) * self.options.every_s - time.time())):
-            kind = self.rng.choice(self.options.faults)
-            latest = max((r["step"] for r in read_records(self.run_dir, "train")), default=0)
-            delivered = self._deliver(kind, done)
+            delivered = self._deliver(self.rng.choice(self.options.faults), done)
             if delivered:
-                self.delivered.append(Fault(delivered, time.time(), latest))
+                self.delivered.append(Fault(delivered, time.time()))
 
     def _deliver(self, kind: str, done: threading.Event) -> str | None:
         if kind == "node":
             return self._replace_node(done)
+        if kind == "storage":
+            assert self.storage.proxy is not None, "parse_faults allows a storage outage only on s3"
+            self.storage.proxy.cut(self.options.outage_s)
+            return kind
         workers = self._workers(done)
         if not workers:
             return None
@@ -241,19 +309,19 @@ def committed_ids(config: TrainConfig) -> list[tuple[int, ...]]:
 
 
 def _figures(config: TrainConfig, wall_s: float, loss: float | None) -> RunFigures:
-    run_dir = config.run.dir
     steps, repeated, highest = 0, 0, 0
-    for record in read_records(run_dir, "train"):
+    for record in read_records(config.run.dir, "train", config.storage):
         steps += 1
         repeated += record["step"] <= highest
         highest = max(highest, record["step"])
-    attempts = len(read_records(run_dir, "start"))
+    attempts = len(read_records(config.run.dir, "start", config.storage))
     return RunFigures(wall_s, loss, steps, repeated, attempts, Counter(committed_ids(config)))
 
 
-def _time_faults(run_dir: str, faults: list[Fault]) -> None:
-    records = read_records(run_dir, "train")
+def _time_faults(config: TrainConfig, faults: list[Fault]) -> None:
+    records = read_records(config.run.dir, "train", config.storage)
     for fault in faults:
+        fault.step = max((r["step"] for r in records if r["time"] <= fault.at), default=0)
         after = [r for r in records if r["time"] > fault.at]
         fault.next_step_s = after[0]["time"] - fault.at if after else None
         past = next((r for r in after if r["step"] > fault.step), None)
@@ -276,16 +344,19 @@ def run(config: TrainConfig, root: str, options: Options) -> Report:
     """The undisturbed run, then the faulted one, on one simulated cluster."""
     if os.path.exists(root) and os.listdir(root):
         raise RayllmError(f"{root} is not empty; give the benchmark a fresh run.dir")
-    cluster = SimulatedCluster()
-    try:
-        undisturbed = _timed_run(bench_config(config, f"{root}/undisturbed", options), None)
-        faulted_config = bench_config(config, f"{root}/faulted", options)
-        injector = Injector(cluster, faulted_config.run.dir, options)
-        faulted = _timed_run(faulted_config, injector)
-    finally:
-        cluster.shutdown()
-    _time_faults(faulted_config.run.dir, injector.delivered)
-    return Report(undisturbed, faulted, injector.delivered)
+    with BenchStorage(options.storage, root) as storage:
+        config = storage.with_data(config)
+        cluster = SimulatedCluster()
+        try:
+            undisturbed = _timed_run(bench_config(config, storage.run_dir("undisturbed"), options), None)
+            faulted_config = bench_config(config, storage.run_dir("faulted"), options)
+            injector = Injector(cluster, storage, options)
+            faulted = _timed_run(faulted_config, injector)
+        finally:
+            cluster.shutdown()
+        _time_faults(faulted_config, injector.delivered)
+        report = Report(undisturbed, faulted, injector.delivered)
+    return report
 
 
 def format_report(report: Report, options: Options) -> str:
@@ -293,6 +364,7 @@ def format_report(report: Report, options: Options) -> str:
     lines = [
         f"goodput: a fault every {options.every_s:.0f} s (seed {options.seed}, mix {', '.join(options.faults)}), "
         f"2 worker nodes of one training worker each, train.hang_timeout_s {options.hang_timeout_s:.0f} s",
+        f"  storage: {_storage_line(options)}",
         f"  effective training time ratio   {report.ratio:.3f}   ({u.wall_s:.0f} s undisturbed / {f.wall_s:.0f} s)",
         f"  faults delivered                {len(report.faults)}   ({f.attempts} attempts)",
         f"  steps trained twice             {f.steps_repeated}   (of {f.steps - f.steps_repeated})",
@@ -307,6 +379,12 @@ def format_report(report: Report, options: Options) -> str:
             f"  {fault.kind:<16}  {fault.step:>7}   {_seconds(fault.next_step_s):>10}   {_seconds(fault.past_s):>13}"
         )
     return "\n".join(lines)
+
+
+def _storage_line(options: Options) -> str:
+    if options.storage == "local":
+        return "local disk"
+    return f"moto's S3 server on 127.0.0.1 behind a proxy, outages of {options.outage_s:.0f} s"
 
 
 def _seconds(value: float | None) -> str:

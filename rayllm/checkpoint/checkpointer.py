@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from rayllm import checkpoint, events
 from rayllm.checkpoint import memory
-from rayllm.checkpoint.lease import lease_owner_id
+from rayllm.checkpoint.lease import lease_owner_id, require_owner
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig
 
@@ -202,6 +202,7 @@ class Checkpointer:
         uri = self.store.uri(ckpt.step)
         storage = self.config.storage
         if self.session.rank == 0:  # a re-save of a step: no longer a checkpoint before any rank writes
+            self._require_run_dir(f"writing the checkpoint of step {ckpt.step}")
             self.store.unmark(ckpt.step)  # (DCP's save plans collectively, with rank 0, before writing)
         if self.config.train.async_checkpoint and not ckpt.final:
             if self._writer is None:
@@ -266,6 +267,7 @@ class Checkpointer:
         if self._collective:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
+            self._require_run_dir(f"committing the checkpoint of step {ckpt.step}")
             self.store.mark_complete(ckpt.step, world, owner=self.owner)
         self.session.register(ckpt.step, ckpt.metrics, self.store.uri(ckpt.step))
         ckpt.stall_s += time.perf_counter() - started
@@ -276,6 +278,12 @@ class Checkpointer:
         if rank == 0:
             self._tidier.submit(self._tidy, ckpt.step)
             self.session.emit(events.Checkpoint(step=ckpt.step, stall_s=ckpt.stall_s, final=ckpt.final))
+
+    def _require_run_dir(self, doing: str) -> None:
+        """Rank 0: the run dir is still this run's (lease.py), else RunDirTaken ends the run (a
+        rayllm error: rank 0's alone ends every rank's attempt, no restart)."""
+        if self.owner is not None:
+            require_owner(self.config.run.dir, self.config.storage, self.owner, doing)
 
     def _tidy(self, step: int) -> None:
         """Rank 0, in the background and in commit order: keep a milestone's copy, drop old checkpoints."""

@@ -8,6 +8,9 @@ heartbeat from a daemon thread; a second run finding a live heartbeat is refused
 and a lease whose heartbeat is older than its timeout (its owner is gone: the driver was killed)
 is taken over, saying so; on the same host a lease whose process is gone is taken over at once
 (a run killed and started again, a torchrun rank 0 ended by the hang watchdog's ``os._exit``).
+A run that finds its lease taken (it was silent past the timeout: paused, cut off from storage)
+stops: its renewal asks for a stop (``on_lost``), and rank 0 checks the owner before writing a
+checkpoint and before committing one (``require_owner``), so it never writes over the new owner's.
 Under torchrun the owner is the torchrun job (its agent process), so that the job's own
 restarts keep the lease.
 
@@ -119,6 +122,18 @@ def lease_owner_id(run_dir: str, storage: StorageSettings) -> str | None:
     return record.owner.id if record else None
 
 
+def require_owner(run_dir: str, storage: StorageSettings, owner_id: str, doing: str) -> None:
+    """Raise RunDirTaken, naming the new owner, unless the run dir's lease is still ``owner_id``'s
+    (a missing lease is still ours: the renewal writes it back)."""
+    record = read_lease(run_dir, storage)
+    if record is not None and record.owner.id != owner_id:
+        raise RunDirTaken(
+            f"run.dir {run_dir} was taken over by {record.owner.describe()} while this run (run {owner_id}) "
+            f"was silent for longer than run.lease_timeout_s; stopping without {doing}: the run dir is that "
+            "run's now. Resume this one in another run.dir, or stop the other run and start this one again"
+        )
+
+
 class RunDirLease:
     """One run's hold on its run dir: ``acquire`` before anything starts, ``release`` at the end."""
 
@@ -128,6 +143,8 @@ class RunDirLease:
         self.path = posixpath.join(self.root, LEASE_FILE)
         self.owner = LeaseOwner.this_process()
         self.lost = threading.Event()  # set when a renewal found another owner's id
+        # Called once, from the renewal thread, when the lease was found taken: stop the run.
+        self.on_lost: Callable[[LeaseRecord], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -182,7 +199,12 @@ class RunDirLease:
                 current = read_lease(self.run_dir, self.storage)
                 if current is not None and current.owner.id != self.owner.id:
                     self.lost.set()
-                    self.log(f"run.dir {self.run_dir}: the lease was taken by {current.owner.describe()}")
+                    self.log(
+                        f"run.dir {self.run_dir}: the lease was taken over by {current.owner.describe()}; "
+                        "stopping this run without writing another checkpoint"
+                    )
+                    if self.on_lost is not None:
+                        self.on_lost(current)
                     return
                 self._write()
             except OSError as e:

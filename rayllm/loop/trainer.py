@@ -34,7 +34,7 @@ from rayllm.config import TrainConfig, check_batch_split
 from rayllm.data.fingerprint import DataFingerprint, fingerprint
 from rayllm.data.order import DataState
 from rayllm.data.prefetch import prefetched
-from rayllm.errors import RayllmError
+from rayllm.errors import RayllmError, WorkerPreempted
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.loop import fault_injection as faults
 from rayllm.loop.data_resume import resume_data
@@ -49,11 +49,6 @@ from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
 from rayllm.parallel.fsdp import accumulate
 from rayllm.parallel.layout import Layout, resolve_layout
 from rayllm.parallel.tp import loss_context
-
-
-class WorkerPreempted(RuntimeError):
-    """A rank's process got SIGTERM (or its node a preemption notice): the run checkpointed and this
-    attempt ends, so that Ray Train restarts it on what remains (not a user error: retried)."""
 
 
 def model_args(config: TrainConfig) -> ModelArgs:

@@ -61,7 +61,8 @@ class AttemptProgress:
     started_at: int | None = None  # the step it resumed from
     last_step: int | None = None  # the latest step it reported
     committed: bool = False  # a checkpoint (stored or in memory) was committed during it
-    outage: bool = False  # it ended with a transient storage error: not a crash loop
+    outage: bool = False  # it ended with a transient storage error (a rank's or the controller's): not a crash loop
+    world_size: int | None = None  # its workers: an attempt followed by a larger one ended to grow
     cause: str | None = None  # the first failure a rank recorded for it
 
 
@@ -105,12 +106,16 @@ class RunControl:
     def stop_requested(self) -> bool:
         return self._stop
 
-    def begin_attempt(self, max_without_progress: int | None = None) -> AttemptStart:
+    def begin_attempt(self, max_without_progress: int | None = None, world_size: int | None = None) -> AttemptStart:
         """Rank 0, once per attempt, before any other rank asks ``attempt``: its number, and why the
         run must stop instead when the last ``max_without_progress`` attempts made no progress."""
         self._attempt += 1
-        self._progress[self._attempt] = AttemptProgress()
+        self._progress[self._attempt] = AttemptProgress(world_size=world_size)
         return AttemptStart(self._attempt, self._crash_loop(max_without_progress))
+
+    def attempt_hit_outage(self) -> None:
+        """Ray Train's controller (its failure policy): the current attempt ended on a storage outage."""
+        self._progress.setdefault(self._attempt, AttemptProgress()).outage = True
 
     def attempt(self) -> int:
         return self._attempt
@@ -137,7 +142,8 @@ class RunControl:
 
     def _crash_loop(self, limit: int | None) -> str | None:
         """Why the run must stop: the attempts before this one that ended without a new checkpoint,
-        in a row (those a storage outage ended are passed over: the outage is retried, not counted)."""
+        in a row. Passed over: those a storage outage ended (retried, not counted) and those ended
+        to grow (the next attempt has more workers: nodes arrived, as on a cluster scaling up)."""
         if not limit:
             return None
         stalled: list[AttemptProgress] = []
@@ -145,7 +151,9 @@ class RunControl:
             seen = self._progress.get(attempt, AttemptProgress())
             if seen.committed:
                 break
-            if not seen.outage:
+            after = self._progress.get(attempt + 1, AttemptProgress()).world_size
+            grew = None not in (seen.world_size, after) and after > seen.world_size
+            if not seen.outage and not grew:
                 stalled.append(seen)
         if len(stalled) < limit:
             return None

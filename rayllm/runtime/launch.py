@@ -175,6 +175,7 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         wait_for_room(config, log)
         monitor = RunMonitor(config, quiet=quiet)
         driver = _start_driver_actors(config, plans)
+        lease.on_lost = lambda _: driver.control.request_stop.remote()  # rank 0 then names the new owner
         signals = StopSignals(on_first=lambda name: _stop_requested(name, driver.control))
         result = _fit(_trainer(config, driver), config, driver, monitor, signals)
         summary = _summary(config, result, monitor, signals, started)
@@ -205,6 +206,7 @@ class _DriverActors:
 
     records: Any  # the progress queue the monitor reads
     control: Any  # RunControl, which owns the nodes' relays
+    control_name: str  # ... by the name Ray Train's controller finds it (its failure policy)
     keepers: str | None  # the in-memory checkpoints' registry name
     registry: Any  # ... and that registry, which owns the keepers
     stream: Any  # the data stream server
@@ -218,7 +220,8 @@ def _start_driver_actors(config: TrainConfig, plans) -> _DriverActors:
     from ray.util.queue import Queue
 
     records: Queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": node_affinity()})
-    control = pinned_actor(RunControl).remote()
+    control_name = f"rayllm-control-{uuid.uuid4().hex[:12]}"
+    control = pinned_actor(RunControl, name=control_name).remote()
     # In-memory checkpoints' keepers, owned through this registry by the driver: they outlive attempts.
     keepers = f"rayllm-keepers-{uuid.uuid4().hex[:12]}" if config.train.memory_checkpoint_every else None
     registry = start_registry(keepers) if keepers else None
@@ -228,7 +231,7 @@ def _start_driver_actors(config: TrainConfig, plans) -> _DriverActors:
     sealed = config.storage.with_secret_paths([*config.secret_paths(), *plans.paths()]).sealed()
     plans = plans.with_storage(sealed)
     stream = _start_stream(config, plans)
-    return _DriverActors(records, control, keepers, registry, stream, sealed, plans)
+    return _DriverActors(records, control, control_name, keepers, registry, stream, sealed, plans)
 
 
 def _trainer(config: TrainConfig, driver: _DriverActors):
@@ -274,6 +277,7 @@ def _trainer(config: TrainConfig, driver: _DriverActors):
             worker_runtime_env={"env_vars": {**_thread_env(config), **_signal_hook_env()}},
         ),
         usable_world_sizes=usable_world_sizes(config.parallel, lo, hi, t.global_batch_size, t.micro_batch_size),
+        control_name=driver.control_name,
     )
 
 

@@ -33,12 +33,14 @@ class WholeLayoutsPolicy(ElasticScalingPolicy):
 class RayllmTorchTrainer(TorchTrainer):
     """TorchTrainer with RayllmFailurePolicy and, for elastic runs, WholeLayoutsPolicy."""
 
-    def __init__(self, *args, usable_world_sizes: list[int] | None = None, **kwargs):
+    def __init__(self, *args, usable_world_sizes: list[int] | None = None, control_name: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._usable_world_sizes = usable_world_sizes
+        self._control_name = control_name
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["failure_policy"] = RayllmFailurePolicy(self.run_config.failure_config)
+        policy = RayllmFailurePolicy(self.run_config.failure_config, self._control_name)
+        controller_init_kwargs["failure_policy"] = policy
         if self._usable_world_sizes is not None and self.scaling_config.elasticity_enabled:
             controller_init_kwargs["scaling_policy"] = WholeLayoutsPolicy(self.scaling_config, self._usable_world_sizes)
         # Ray Train's preemption watcher, built without actor handles as constructor arguments (preemption.py).

@@ -282,7 +282,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         loop_config["stream"],
     )
     limit = config.cluster.max_attempts_without_progress
-    attempt = session.attempt = _begin_attempt(control, session.rank, limit)
+    attempt = session.attempt = _begin_attempt(control, session.rank, session.world_size, limit)
     session.phases["attempt"] = time.time()
     trainer = None
     try:
@@ -303,14 +303,14 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         raise
 
 
-def _begin_attempt(control, rank: int, max_without_progress: int) -> int:
+def _begin_attempt(control, rank: int, world_size: int, max_without_progress: int) -> int:
     """This attempt's number, the same on every rank (rank 0 counts it before the others read it);
     or the end of the run, when the attempts before it crashed in a loop (control.py)."""
     import ray
     import torch.distributed as dist
 
     if rank == 0:
-        start = ray.get(control.begin_attempt.remote(max_without_progress), timeout=60)
+        start = ray.get(control.begin_attempt.remote(max_without_progress, world_size), timeout=60)
         if start.stop:
             raise RayllmError(start.stop)
         attempt = start.attempt

@@ -129,6 +129,7 @@ def _take_run_dir(config: TrainConfig, rank: int) -> RunDirLease | None:
     lease, refusal = None, [None]
     if rank == 0:
         lease = RunDirLease(config.run.dir, config.storage, config.run.lease_timeout_s, log=_warn)
+        lease.on_lost = lambda _: SIGNALS.requested.set()  # every rank stops at the next step
         try:
             lease.acquire()
         except RunDirTaken as e:

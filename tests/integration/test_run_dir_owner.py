@@ -101,17 +101,76 @@ def test_a_run_whose_job_was_killed_is_resumed_at_once_on_the_same_host(override
     assert max(r["step"] for r in records if r["kind"] == "train") == 6
 
 
-def _kill_job(agent: subprocess.Popen) -> None:
-    """SIGKILL torchrun's agent and its ranks (each rank is a session of its own)."""
-    ranks = []
+def test_a_run_whose_lease_was_taken_over_stops_naming_the_new_owner_and_writes_nothing_more(overrides, tmp_path):
+    """The first run falls silent past its lease's timeout (its rank 0 SIGSTOPped, as a paused VM
+    or a long storage cut would), a second process takes the lease over; woken, the first stops at
+    its next step without writing or committing another checkpoint, naming the new owner."""
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    first = _first_run(overrides, run_dir, hold, *SMALL, "tracking.enabled=false", "run.lease_timeout_s=2")
+    rank0 = _children(first.pid)[0]
+    taker = None
+    try:
+        os.kill(rank0, signal.SIGSTOP)
+        taker = subprocess.Popen(
+            [sys.executable, "-c", TAKER, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert taker.stdout.readline().startswith("holding"), taker.communicate(timeout=30)[0]
+        new_owner = read_lease(str(run_dir), StorageSettings()).owner
+        os.kill(rank0, signal.SIGCONT)
+        log = hold.with_suffix(".log")
+        _wait_for(lambda: "the lease was taken over by" in log.read_text(), 30, "the first run to see its lease taken")
+        hold.unlink()  # on to step 3: the stop, and the checkpoint it would write
+        assert first.wait(timeout=300) != 0
+    finally:
+        if taker is not None:
+            taker.kill()
+        if first.poll() is None:
+            _kill_job(first)
+    output = log.read_text()
+    assert f"was taken over by run {new_owner.id}" in output and f"pid {new_owner.pid}" in output, output[-3000:]
+    assert "stopping without writing the checkpoint of step 3" in output, output[-3000:]
+    assert not (run_dir / "checkpoint_00000003").exists(), "nothing written after the takeover"
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_00000002"]
+    assert read_lease(str(run_dir), StorageSettings()).owner.id == new_owner.id, "the new owner keeps its lease"
+
+
+# A second run's driver, as far as the lease goes: takes it over and holds it until killed.
+TAKER = textwrap.dedent(
+    """
+    import sys, time
+    from rayllm.checkpoint.lease import RunDirLease, RunDirTaken
+    from rayllm.io.settings import StorageSettings
+    lease = RunDirLease(sys.argv[1], StorageSettings(), 60.0, log=lambda text: None)
+    deadline = time.time() + 60
+    while True:
+        try:
+            lease.acquire()  # refused while the silent run's heartbeat is younger than its timeout
+            break
+        except RunDirTaken:
+            assert time.time() < deadline, "the silent run's lease never expired"
+            time.sleep(0.5)
+    print("holding", flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's ranks), from /proc."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[1]) == agent.pid:
-            ranks.append(int(stat.parent.name))
-    for pid in [agent.pid, *ranks]:
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def _kill_job(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun's agent and its ranks (each rank is a session of its own)."""
+    for pid in [agent.pid, *_children(agent.pid)]:
         try:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         except ProcessLookupError:

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 import pytest
-from fault_proxy import FaultProxy
 from helpers import TEST_MODEL, s3_client
 from test_exactly_once import G, ids_of, write_small_corpus
 
 from rayllm import TrainConfig, train
+from rayllm.bench.fault_proxy import FaultProxy
 from rayllm.data.discover import prepare_data
 from rayllm.data.order import local_stream
 

@@ -131,3 +131,40 @@ def test_an_outage_in_ray_trains_controller_restarts_the_attempt_up_to_max_failu
         FailureDecision.RAISE,
     ]
     assert policy.make_decision(ControllerError(raised(KeyError("a bug")))) == FailureDecision.RAISE
+
+
+def test_attempts_ended_to_grow_or_by_a_controller_outage_are_not_a_crash_loop():
+    """A cluster scaling up from empty restarts the run at each arrival, often before any commit;
+    an outage in Ray Train's controller ends an attempt that no rank saw fail."""
+    control = RunControl()
+    for world_size in (1, 2, 3, 4):  # each ended, before its first commit, by a node's arrival
+        assert control.begin_attempt(2, world_size).stop is None
+    control.attempt_hit_outage()
+    assert control.begin_attempt(2, 4).stop is None
+    control.attempt_hit_outage()
+    assert control.begin_attempt(2, 4).stop is None
+    assert control.begin_attempt(2, 4).stop is None  # one stalled: the one just before
+    stop = control.begin_attempt(2, 4).stop  # two in a row at the same size: a crash loop
+    assert stop is not None and stop.startswith("2 attempts in a row")
+
+
+def test_a_rank_stopped_after_checkpointing_is_a_preemption_not_a_failure():
+    """SIGTERM or a node's interruption notice: the run checkpointed and the attempt ended on
+    purpose; charged to Ray Train's preemption budget (unbounded), not to cluster.max_failures."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from rayllm.errors import WorkerPreempted
+    from rayllm.runtime.failure_policy import RayllmFailurePolicy, is_preemption
+
+    preempted = raised(WorkerPreempted("rank 1 was asked to stop; checkpointed at step 9"))
+    collateral = raised(RuntimeError("Connection closed by peer"))
+    error = WorkerGroupError("Traceback ...", {0: collateral, 1: preempted})
+    assert is_preemption(error) and not is_fatal(error)
+    policy = RayllmFailurePolicy(FailureConfig(max_failures=0))
+    assert [policy.make_decision(error) for _ in range(5)] == [FailureDecision.RETRY] * 5
+    crash = WorkerGroupError("Traceback ...", {0: collateral, 1: raised(RuntimeError("CUDA error"))})
+    assert not is_preemption(crash) and policy.make_decision(crash) == FailureDecision.RAISE
+    bounded = RayllmFailurePolicy(FailureConfig(max_failures=-1, max_preemption_failures=1))
+    assert [bounded.make_decision(error) for _ in range(2)] == [FailureDecision.RETRY, FailureDecision.RAISE]

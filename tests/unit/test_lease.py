@@ -101,3 +101,25 @@ def test_of_two_runs_taking_the_lease_at_once_exactly_one_owns_it(tmp_path):
     finally:
         for lease in won:
             lease.release()
+
+
+def test_a_run_whose_lease_was_taken_over_is_told_and_may_not_write(tmp_path):
+    """A lease overwritten by another owner (the first run was silent past its timeout): the
+    renewal calls on_lost with the new owner, and require_owner refuses, naming it."""
+    from rayllm.checkpoint.lease import require_owner
+
+    lease = RunDirLease(str(tmp_path), STORAGE, timeout_s=0.4)
+    told = threading.Event()
+    seen: list[LeaseRecord] = []
+    lease.on_lost = lambda record: (seen.append(record), told.set())
+    lease.acquire()
+    require_owner(str(tmp_path), STORAGE, lease.owner.id, "writing")  # still ours: no error
+    other = LeaseRecord(LeaseOwner("other-run", "elsewhere", 4242, time.time()), time.time(), 60.0)
+    (tmp_path / LEASE_FILE).write_text(json.dumps(other.to_json()))
+    try:
+        assert told.wait(2.0) and seen[0].owner.id == "other-run" and lease.lost.is_set()
+        with pytest.raises(RunDirTaken, match="was taken over by run other-run on elsewhere, pid 4242"):
+            require_owner(str(tmp_path), STORAGE, lease.owner.id, "committing the checkpoint of step 8")
+    finally:
+        lease.release()
+    assert read_lease(str(tmp_path), STORAGE).owner.id == "other-run", "release leaves another's lease"

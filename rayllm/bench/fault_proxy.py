@@ -1,4 +1,5 @@
-"""A TCP proxy on 127.0.0.1 that can take a server off the network for a while, as an outage does:
+"""A TCP proxy on 127.0.0.1 that can take a server off the network for a while, as an outage does
+(for ``rayllm bench goodput --storage s3`` and the storage-outage tests):
 while it is cut, every open connection is reset and every new one is reset on accept. Put it in
 front of moto's S3 server (whose state lives in its own process, so moto itself is never restarted)
 and point ``storage.endpoint_url`` at it."""
