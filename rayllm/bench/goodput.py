@@ -135,6 +135,7 @@ class SimulatedCluster:
         from ray.cluster_utils import Cluster
 
         from rayllm.parallel.process_group import free_port
+        from rayllm.ray_cluster import LOCAL_STARTUP_CONCURRENCY
 
         if ray.is_initialized():
             ray.shutdown()
@@ -143,6 +144,8 @@ class SimulatedCluster:
             "object_store_memory": NODE_OBJECT_STORE,
             "dashboard_host": "127.0.0.1",
             "dashboard_port": free_port(),
+            # As rayllm's own local Ray: no warning for the workers a run starts at once (ray_cluster.py).
+            "_system_config": {"worker_maximum_startup_concurrency": LOCAL_STARTUP_CONCURRENCY},
         }
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         self.workers = [self.cluster.add_node(**WORKER_NODE) for _ in range(2)]
@@ -345,11 +348,13 @@ def run(config: TrainConfig, root: str, options: Options) -> Report:
     if os.path.exists(root) and os.listdir(root):
         raise RayllmError(f"{root} is not empty; give the benchmark a fresh run.dir")
     with BenchStorage(options.storage, root) as storage:
+        # Both configs before Ray starts: settings holding credentials are copied only then.
         config = storage.with_data(config)
+        undisturbed_config = bench_config(config, storage.run_dir("undisturbed"), options)
+        faulted_config = bench_config(config, storage.run_dir("faulted"), options)
         cluster = SimulatedCluster()
         try:
-            undisturbed = _timed_run(bench_config(config, storage.run_dir("undisturbed"), options), None)
-            faulted_config = bench_config(config, storage.run_dir("faulted"), options)
+            undisturbed = _timed_run(undisturbed_config, None)
             injector = Injector(cluster, storage, options)
             faulted = _timed_run(faulted_config, injector)
         finally:

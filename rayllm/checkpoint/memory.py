@@ -37,13 +37,17 @@ def memory_checkpoint_bytes_per_node(n_params: int, nodes: int) -> int:
     return int(STATE_BYTES_PER_PARAM * n_params / nodes * copies * 2)
 
 
-def check_memory_budget(n_params: int, train, max_nodes: int, nodes_and_store: tuple[int, int] | None = None) -> None:
+def check_memory_budget(n_params: int, train, max_nodes: int, nodes_and_store: tuple[int, int] | None = None) -> bool:
     """Refuse, before the run starts, in-memory checkpoints that the nodes' object stores cannot
-    hold. ``nodes_and_store``: (nodes, the smallest node's object store bytes), else Ray's."""
+    hold. ``nodes_and_store``: (nodes, the smallest node's object store bytes), else Ray's. False
+    when no node for workers is up yet to check against (an autoscaling cluster that starts empty:
+    rank 0 checks at the first attempt instead)."""
     nodes, store = nodes_and_store or _object_stores(max_nodes)
+    if nodes == 0:
+        return False
     need = memory_checkpoint_bytes_per_node(n_params, nodes)
     if need <= store:
-        return
+        return True
     copies = " x 2 copies" if nodes > 1 else ""
     raise ConfigError(
         f"in-memory checkpoints (train.memory_checkpoint_every={train.memory_checkpoint_every}) need "
@@ -63,7 +67,7 @@ def _object_stores(max_nodes: int) -> tuple[int, int]:
         for n in ray.nodes()
         if n.get("Alive") and (n["Resources"].get("CPU") or n["Resources"].get("GPU"))
     ]
-    return max(1, min(len(stores), max_nodes)), min(stores, default=0)
+    return min(len(stores), max_nodes), min(stores, default=0)
 
 
 class Keeper:

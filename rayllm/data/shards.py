@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from rayllm.io.retry import is_transient, resumable, retrying
 from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import filesystem
 
+T = TypeVar("T")
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20  # data.max_document_bytes's default
 READ_BYTES = 1 << 20  # what one read takes from a shard, before or after decompression
 # zstd's largest expansion: a 128 KiB block of one repeated byte is stored in 4 bytes. Fed at most
@@ -45,6 +47,25 @@ class Dropped:
     def total(self) -> int:
         return sum(self.counts.values())
 
+    def merge(self, other: Dropped) -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] += n
+
+
+def _counted_once(read: Callable[[Dropped], Iterator[T]], dropped: Dropped | None) -> Iterator[T]:
+    """``read``'s items, the records it left out added to ``dropped`` once it ends: a read cut off
+    by a transient error is opened again from the shard's start and counts them anew, so the cut
+    one's counts are let go (an error that ends the read keeps them: on_bad_shard's marker names them)."""
+    mine = Dropped()
+    try:
+        yield from read(mine)
+    except Exception as e:
+        if dropped is not None and not (is_transient(e) and not isinstance(e, StorageUnavailable)):
+            dropped.merge(mine)
+        raise
+    if dropped is not None:
+        dropped.merge(mine)
+
 
 def iter_documents(
     uri: str,
@@ -60,10 +81,11 @@ def iter_documents(
     A network error or throttling mid-shard reopens it and skips the documents already given
     (rayllm.io.retry); past storage.retry_deadline_s it raises StorageUnavailable, which fails
     the attempt, never the run, and is no reason for data.on_bad_shard: skip to drop the shard.
-    (Records left out before the point of a reopen are counted again: a blip's small overcount.)"""
+    Records left out are counted once, reopened or not."""
 
     def documents_from(given: int) -> Iterator[str]:
-        return itertools.islice(_documents(uri, text_field, storage, limits, dropped), given, None)
+        read = lambda mine: _documents(uri, text_field, storage, limits, mine)  # noqa: E731
+        return itertools.islice(_counted_once(read, dropped), given, None)
 
     return resumable(documents_from, f"reading shard {display_uri(uri)}", storage.retry_deadline_s)
 
@@ -269,10 +291,14 @@ def _parquet_documents(fs, path: str, uri: str, text_field: str, limits: ReadLim
 TOKENS_COLUMN = "tokens"
 
 
-def iter_token_documents(uri: str, storage: StorageSettings) -> Iterator[list[int]] | None:
+def iter_token_documents(
+    uri: str, storage: StorageSettings, limits: ReadLimits | None = None, dropped: Dropped | None = None
+) -> Iterator[list[int]] | None:
     """Token ids per document when ``uri`` is a pre-tokenised parquet shard (a ``tokens`` column), else None.
 
-    ``rayllm prepare`` writes such shards; the trainer streams them without a tokenizer.
+    ``rayllm prepare`` writes such shards; the trainer streams them without a tokenizer. A document
+    of more tokens than data.max_document_bytes came from a longer text (a token is at least one
+    byte): refused naming the shard, or left out and counted, as a text reader does with its text.
     """
     if not uri.lower().endswith(".parquet"):
         return None
@@ -294,15 +320,17 @@ def iter_token_documents(uri: str, storage: StorageSettings) -> Iterator[list[in
         return None
 
     def lists_from(given: int) -> Iterator[np.ndarray]:
-        return itertools.islice(_token_lists(fs, path, uri), given, None)
+        read = lambda mine: _token_lists(fs, path, uri, limits or ReadLimits(), mine)  # noqa: E731
+        return itertools.islice(_counted_once(read, dropped), given, None)
 
     return resumable(lists_from, f"reading shard {display_uri(uri)}", storage.retry_deadline_s)
 
 
-def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
+def _token_lists(fs, path: str, uri: str, limits: ReadLimits, dropped: Dropped) -> Iterator[np.ndarray]:
     """Each document's token ids as a view into its batch's values (no Python list per document)."""
     import pyarrow.parquet as pq
 
+    row = 0
     try:
         with fs.open(path, "rb") as f:
             for batch in pq.ParquetFile(f).iter_batches(columns=[TOKENS_COLUMN], batch_size=1024):
@@ -311,8 +339,15 @@ def _token_lists(fs, path: str, uri: str) -> Iterator[np.ndarray]:
                 offsets = column.offsets.to_numpy()
                 values = column.values.to_numpy(zero_copy_only=False)
                 for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
-                    if hi > lo:
+                    row += 1
+                    if hi - lo > limits.max_document_bytes:
+                        if not limits.skip_too_long:
+                            raise _too_long(uri, f"row {row}", limits.max_document_bytes)
+                        dropped.add("too_long")
+                    elif hi > lo:
                         yield values[lo:hi]
+                    else:
+                        dropped.add("empty")
     except Exception as e:
         mapped = _shard_error(uri, e)
         if mapped is e:

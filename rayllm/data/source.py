@@ -91,7 +91,7 @@ class ShardPacker:
     def _documents(self, uri: str, first_doc: int, dropped: Dropped) -> Iterator[tuple[int, list[int]]]:
         """(document index, token ids) from ``first_doc`` on; earlier documents are read, not tokenized.
         The records left out of the whole shard, those before ``first_doc`` too, are counted in ``dropped``."""
-        pre = iter_token_documents(uri, self.plan.storage)
+        pre = iter_token_documents(uri, self.plan.storage, self.plan.limits, dropped)
         if pre is not None:  # a pre-tokenised shard (rayllm prepare): no tokenizer needed
             yield from itertools.islice(enumerate(pre), first_doc, None)
             return

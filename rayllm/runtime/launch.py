@@ -171,7 +171,10 @@ def train(config: TrainConfig, *, quiet: bool = False) -> TrainResult:
         plans = _prepare_run(config, log)
         connect_ray(config.cluster.address, run_cpus(config))
         if config.train.memory_checkpoint_every:  # before any worker: the keepers' bytes fit the nodes
-            check_memory_budget(model_shape(config.model).total, config.train, config.worker_range[1])
+            if not check_memory_budget(model_shape(config.model).total, config.train, config.worker_range[1]):
+                log(
+                    "in-memory checkpoints: no node for workers is up yet; their budget is checked at the first attempt"
+                )
         wait_for_room(config, log)
         monitor = RunMonitor(config, quiet=quiet)
         driver = _start_driver_actors(config, plans)

@@ -11,13 +11,14 @@ import torch
 
 from rayllm import events
 from rayllm.checkpoint import checkpoint_name
-from rayllm.checkpoint.memory import memory_uri
+from rayllm.checkpoint.memory import check_memory_budget, memory_uri
 from rayllm.config import TrainConfig
 from rayllm.data.order import DataState
 from rayllm.data.stream.protocol import RESTART, DataStreamLost
 from rayllm.data.stream.relay import served_batches, slices_per_object
 from rayllm.errors import RayllmError
 from rayllm.loop.trainer import Trainer
+from rayllm.parallel.planner import model_shape
 from rayllm.runtime.control import failure_record
 from rayllm.runtime.interruption import node_settings
 from rayllm.runtime.signals import WORKER
@@ -284,6 +285,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     limit = config.cluster.max_attempts_without_progress
     attempt = session.attempt = _begin_attempt(control, session.rank, session.world_size, limit)
     session.phases["attempt"] = time.time()
+    if attempt == 1 and session.rank == 0 and session.memory_root:  # the nodes are up now (checkpoint/memory.py)
+        check_memory_budget(model_shape(config.model).total, config.train, config.worker_range[1])
     trainer = None
     try:
         trainer = Trainer(config, session)

@@ -204,7 +204,9 @@ def test_in_memory_checkpoints_larger_than_the_object_store_are_refused_naming_t
     n_params = 8_000_000_000
     need = memory_checkpoint_bytes_per_node(n_params, 4)
     assert need == 12 * n_params // 4 * 2 * 2  # its share and a neighbour's, twice while writing
-    check_memory_budget(n_params, train, 4, nodes_and_store=(4, need))
+    assert check_memory_budget(n_params, train, 4, nodes_and_store=(4, need))
+    # An autoscaling cluster that starts empty: nothing to check against yet (rank 0 checks at attempt 1).
+    assert not check_memory_budget(n_params, train, 4, nodes_and_store=(0, 0))
     with pytest.raises(ConfigError) as refused:
         check_memory_budget(n_params, train, 4, nodes_and_store=(4, 64 * 2**30))
     line = str(refused.value)

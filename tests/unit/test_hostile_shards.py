@@ -4,6 +4,7 @@ and named, or with on_bad_shard: skip left out and counted; text values that are
 are counted per source, once per shard visit, across a restart too. Real files, read through fsspec."""
 
 import gzip
+import itertools
 import json
 import tracemalloc
 
@@ -161,3 +162,53 @@ def test_the_stream_counts_what_each_source_left_out_once_across_a_restart(tmp_p
         resumed = [batch for _, batch in zip(range(39 - step), stream, strict=False)]
         assert np.array_equal(resumed[-1][0], full[-1][0])
         assert resumed[-1][1].dropped == full[-1][1].dropped, step  # nothing counted twice, nothing lost
+
+
+def test_a_pretokenised_document_past_the_bound_is_named_or_skipped_and_counted(tmp_path):
+    """A token is at least one byte of text: a token list longer than data.max_document_bytes came from
+    a longer document, refused naming the shard and row, or (skip) left out and counted with the empty ones."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayllm.data.shards import iter_token_documents
+
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"id": [0, 1, 2, 3], "tokens": [[1, 2, 3], [], list(range(5000)), [4, 5]]}), path)
+    with pytest.raises(DataError, match=r"shard .*tokens.parquet row 3 is longer than data.max_document_bytes \(4,096"):
+        list(iter_token_documents(str(path), S, ReadLimits(4096)))
+    dropped = Dropped()
+    docs = iter_token_documents(str(path), S, ReadLimits(4096, skip_too_long=True), dropped)
+    assert [list(d) for d in docs] == [[1, 2, 3], [4, 5]]
+    assert dropped.counts == {"not_text": 0, "empty": 1, "too_long": 1}
+
+
+def test_records_left_out_before_a_reopen_are_counted_once():
+    """resumable reopens a read cut by a transient error from the shard's start: what the cut read
+    counted is let go, the reopened one counts the whole shard; an error that ends the read keeps its counts."""
+    from rayllm.data.shards import _counted_once
+    from rayllm.io.retry import resumable
+
+    opens = []
+
+    def read(mine: Dropped):  # a shard of 4 documents with 1 left out before each
+        opens.append(1)
+        for i in range(4):
+            mine.add("empty")
+            if len(opens) == 1 and i == 2:
+                raise ConnectionResetError(104, "Connection reset by peer")  # the first read, mid-shard
+            yield f"doc {i}"
+
+    dropped = Dropped()
+    docs = list(resumable(lambda given: itertools.islice(_counted_once(read, dropped), given, None), "read", 30))
+    assert docs == [f"doc {i}" for i in range(4)] and len(opens) == 2
+    assert dropped.counts["empty"] == 4, "the cut read's 3 are not added to the reopened read's 4"
+
+    def bad(mine: Dropped):
+        mine.add("not_text")
+        yield "doc 0"
+        raise DataError("shard x is unreadable")
+
+    dropped = Dropped()
+    with pytest.raises(DataError):
+        list(_counted_once(bad, dropped))
+    assert dropped.counts["not_text"] == 1, "on_bad_shard: skip's marker counts what came before the error"
