@@ -324,32 +324,35 @@ class Metadata:
                 notice = notices.get(node) if path == "latest/meta-data/spot/instance-action" else None
                 self._answer(200, json.dumps(notice)) if notice else self._answer(404)
 
+        self.port = port
         self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def scenario_notice(overrides, root, cluster, nodes, metadata_port):
+def scenario_notice(overrides, root, cluster, nodes, metadata):
     """A spot interruption notice for the first worker node, served by its metadata service
     while every rank holds before step NOTICE_AT: once its watcher has drained the node (and Ray
     Train has had time to tell the workers), the hold ends; the run must checkpoint at that step,
     restart on the other node and a replacement (added with the notice, as an autoscaler would)
-    and finish. The noticed node is taken once the restart has begun elsewhere."""
+    and finish. The noticed node is taken once the restart has begun elsewhere. The restart is a
+    preemption: the run has no failure to spend (cluster.max_failures=0)."""
     from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
     from rayllm.data.source import ID_FIELDS
 
-    metadata = Metadata(metadata_port)
     run_dir, hold = f"{root}/notice", f"{root}/notice-hold"
     open(hold, "w").close()
     env = {"RAYLLM_FAULT_PAUSE_AT": f"{NOTICE_AT}:{hold}", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5"}
     os.environ.update(env)
-    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, f"run.dir={run_dir}"])
+    own = [f"train.max_steps={NOTICE_STEPS}", "train.checkpoint_every=100", "train.keep_checkpoints=10"]
+    own += ["cluster.max_failures=0", f"run.dir={run_dir}"]  # the only checkpoints: the notice's and the last
+    config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=[*overrides, *own])
     noticed = nodes[0].node_id
     served_at, drained = None, False
     try:
         thread, box = run_in_thread(config)
         if wait_for(lambda: trained_past(run_dir, NOTICE_AT - 1, world_size=2)):
-            nodes.append(cluster.add_node(**WORKER_NODE, env_vars=node_env(metadata_port, "n2")))
+            nodes.append(cluster.add_node(**WORKER_NODE, env_vars=node_env(metadata.port, "n2")))
             when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
             metadata.notices["n0"] = {"action": "terminate", "time": when}
             served_at = last_step(run_dir)
@@ -362,7 +365,6 @@ def scenario_notice(overrides, root, cluster, nodes, metadata_port):
     if wait_for(lambda: len(starts(run_dir)) > 1):
         cluster.remove_node(nodes.pop(0), allow_graceful=False)  # the cloud takes the node
     thread.join()
-    metadata.server.shutdown()
     # The uninterrupted order, computed in this process: the first max_steps global batches.
     stream = local_stream(prepare_data(config).train, global_batch=config.train.global_batch_size)
     expected = []
@@ -384,6 +386,7 @@ def scenario_notice(overrides, root, cluster, nodes, metadata_port):
 
 
 NOTICE_AT = 6  # the step before which the notice run holds until its notice has landed
+NOTICE_STEPS = 10
 
 
 def node_env(metadata_port: int | None, name: str) -> dict[str, str]:
@@ -410,17 +413,22 @@ def main() -> None:
     nodes = [cluster.add_node(**WORKER_NODE, **with_env(node_env(port, f"n{i}"))) for i in range(2)]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="WARNING")
+    # The worker nodes' metadata service, for the whole cluster's life: every node started with it
+    # watches it (404: no notice), whichever scenario runs on the node.
+    metadata = Metadata(port) if port else None
     out = {}
     try:
         for name in args["scenarios"]:
             fn = globals()[f"scenario_{name}"]
-            extra = {"chaos": (cluster, nodes), "notice": (cluster, nodes, port)}.get(name, ())
+            extra = {"chaos": (cluster, nodes), "notice": (cluster, nodes, metadata)}.get(name, ())
             started = time.time()
             out[name] = fn(args["overrides"], args["root"], *extra)
             out[name]["seconds"] = time.time() - started
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if metadata is not None:
+            metadata.server.shutdown()
     print("SCENARIOS " + json.dumps(out), flush=True)
 
 

@@ -3,7 +3,7 @@
 (each run pays Ray's startups again): workers killed and signalled, a data relay and the
 stream server killed, a hung rank, a crash before a commit, nodes removed and added. It must
 finish with the right step count, the global batch constant, every sequence once and the loss
-of an uninterrupted run."""
+of an uninterrupted run. First on the same cluster, a spot interruption notice to one node."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 # hold (up to 32 steps), and the run waits before step 150 (PAUSE_AT) for the last one. A step
 # takes about 0.1 s here: the runs' time is Ray's restarts.
 STEPS, G, SEQ = 160, 8, 64
+NOTICE_STEPS, NOTICE_AT = 10, 6  # ray_cluster_scenarios.py's: every rank holds before NOTICE_AT until the notice landed
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +42,12 @@ def scenarios(corpus, tokenizer_file, tmp_path_factory):
         "overrides": overrides,
         "root": str(root),
         "dashboard_port": free_port(),
-        "scenarios": ["reference", "chaos", "init_from"],
+        "metadata_port": free_port(),  # the worker nodes' EC2 metadata service, for "notice"
+        "scenarios": ["notice", "reference", "chaos", "init_from"],
     }
-    found, _ = run_cluster_scenarios(args, timeout_s=1200)
+    found, output = run_cluster_scenarios(args, timeout_s=1500)
     print({name: round(run["seconds"]) for name, run in found.items()})  # where the time goes (pytest -s)
-    return found
+    return {**found, "output": output}
 
 
 def final_loss(run: dict) -> float:
@@ -134,3 +136,30 @@ def test_init_from_a_folder_only_the_driver_reads_gives_its_loss_at_the_first_st
     assert abs(first["loss"] - run["expected_first_loss"]) / run["expected_first_loss"] <= 1e-4
     scratch = scenarios["reference"]["train"][0]["loss"]
     assert abs(first["loss"] - scratch) / scratch > 1e-2  # a seed-0 start would not pass
+
+
+def test_a_spot_notice_to_one_node_checkpoints_at_the_next_step_and_the_run_moves_off_it(scenarios):
+    """A local HTTP server poses as each worker node's EC2 metadata service (IMDSv2) and serves
+    "terminate in 2 minutes" to one node mid-run (ray_cluster_scenarios.py's "notice", first on
+    the cluster). That node's watcher names the notice and drains the node; the run checkpoints
+    at the next step, restarts on the other node and a replacement, and trains every sequence
+    exactly once; the restart is a preemption, not a failure: it passes under
+    cluster.max_failures=0 (Ray Train's preemption budget takes it)."""
+    run, output = scenarios["notice"], scenarios["output"]
+    assert run["drained"], "the noticed node was never drained"
+    assert run["error"] is None, run["error"]
+    assert run["served_at"] == NOTICE_AT - 1, run["served_at"]
+    # One line from the noticed node's watcher, naming the node and the notice.
+    noticed = [line for line in output.splitlines() if "interruption notice" in line]
+    assert len(noticed) == 1, noticed
+    assert f"/{run['noticed_node']}: interruption notice, AWS spot instance-action (terminate at" in noticed[0]
+    # The rank on the noticed node asked to stop; everyone checkpointed at the next step.
+    (preempted,) = run["preempted"]
+    assert preempted["step"] == NOTICE_AT, preempted
+    assert run["nodes"][0][preempted["rank"]].endswith(run["noticed_node"]), (run["nodes"], preempted)
+    assert [s["step"] for s in run["starts"]] == [0, NOTICE_AT], run["starts"]
+    assert run["resumed_from"] == [None, "storage"], run["resumed_from"]
+    assert not any(node.endswith(run["noticed_node"]) for node in run["nodes"][1]), run["nodes"]
+    assert run["step"] == NOTICE_STEPS
+    assert run["ids"] == run["expected_ids"]  # every sequence of the uninterrupted order, once
+    assert len(run["ids"]) == NOTICE_STEPS * G
