@@ -21,7 +21,7 @@ class StorageSettings:
     """Object-store access for s3:// paths; unset values fall back to the AWS defaults.
 
     Its repr never shows a credential, and once ``sealed`` it pickles with its secret values
-    left in Ray's object store (rayllm.io.credentials): the one way they travel to other processes.
+    left in the driver's vault actor (rayllm.io.credentials): the one way they travel to other processes.
     The same goes for paths with a secret of their own (``with_secret_paths``): other processes
     are handed them as shown (``<redacted>`` in place of the secret), and ``real_path`` gives back
     the path to open.
@@ -50,8 +50,8 @@ class StorageSettings:
         return "StorageSettings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     def credentials(self) -> dict[str, str]:
-        """The key, secret, session token and endpoint URL as given, fetched from the object
-        store when sealed."""
+        """The key, secret, session token and endpoint URL as given, fetched from the driver's
+        vault when sealed."""
         ref = self.__dict__.get("_sealed")
         if ref is not None:
             sealed = {k: v for k, v in credentials.resolve(ref).items() if k != "paths"}
@@ -86,8 +86,8 @@ class StorageSettings:
         return path
 
     def sealed(self) -> StorageSettings:
-        """A copy to hand to other processes: its secrets and secret paths go into Ray's object
-        store (driver, Ray up)."""
+        """A copy to hand to other processes: its secrets and secret paths go to the driver's
+        vault (driver, Ray up)."""
         copy = dataclasses.replace(self)
         values: dict[str, Any] = self.credentials()
         if self.__dict__.get("_paths"):
@@ -103,7 +103,7 @@ class StorageSettings:
         if (secret or self.__dict__.get("_paths")) and ref is None and credentials.ray_running_here():
             raise RuntimeError(
                 "StorageSettings with credentials pickled while Ray runs: hand other processes "
-                "storage.sealed(), so the credentials travel only through Ray's object store"
+                "storage.sealed(), so the credentials travel only through the driver's vault"
             )
         if ref is not None:
             for name in secret:

@@ -213,7 +213,7 @@ class _DriverActors:
     keepers: str | None  # the in-memory checkpoints' registry name
     registry: Any  # ... and that registry, which owns the keepers
     stream: Any  # the data stream server
-    sealed: StorageSettings  # the storage settings, credentials only as a Ray object
+    sealed: StorageSettings  # the storage settings, credentials only in the driver's vault
     plans: Any  # the data plans, with the sealed storage
 
 
@@ -229,8 +229,8 @@ def _start_driver_actors(config: TrainConfig, plans) -> _DriverActors:
     keepers = f"rayllm-keepers-{uuid.uuid4().hex[:12]}" if config.train.memory_checkpoint_every else None
     registry = start_registry(keepers) if keepers else None
     # Credentials, and the real form of every path with a password or a signature in it, travel
-    # only as a Ray object inside sealed settings, never as task arguments: the config and the
-    # plans go redacted, and the sealed settings give each process the real path it opens.
+    # only through the driver's vault (io/credentials.py), never as task arguments: the config and
+    # the plans go redacted, and the sealed settings give each process the real path it opens.
     sealed = config.storage.with_secret_paths([*config.secret_paths(), *plans.paths()]).sealed()
     plans = plans.with_storage(sealed)
     stream = _start_stream(config, plans)
@@ -251,7 +251,7 @@ def _trainer(config: TrainConfig, driver: _DriverActors):
     plans = driver.plans
     return RayllmTorchTrainer(
         train_loop_per_worker,
-        # The config travels redacted; its credentials go as a Ray object, never shown as text.
+        # The config travels redacted; its credentials stay in the driver's vault, never shown as text.
         train_loop_config={
             "config": config.redacted(),
             "storage": driver.sealed,
