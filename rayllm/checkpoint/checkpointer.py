@@ -96,6 +96,7 @@ class Checkpointer:
         self._writer: checkpoint.AsyncWriter | None = None
         self.last_at = time.monotonic()
         self.committed_step: int | None = None  # of the latest stored checkpoint committed
+        self.memory_save_s: float | None = None  # the last in-memory save's time, on this rank
         self.memory: checkpoint.CheckpointStore | None = None
         if session.memory_root:
             memory.register()
@@ -237,6 +238,7 @@ class Checkpointer:
             held = fs.usage(self.memory.root) if hasattr(fs, "usage") else fs.du(self.memory.root)
             stall = time.perf_counter() - started
             self.session.emit(events.MemoryCheckpoint(step=step, stall_s=stall, nbytes=held))
+        self.memory_save_s = time.perf_counter() - started
 
     def wait_copied(self) -> None:
         """Before the weights change: wait until a pending async save has copied them (its stall)."""

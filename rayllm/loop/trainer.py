@@ -43,12 +43,16 @@ from rayllm.loop.metrics import MetricWindow, all_nodes, all_sum, plain
 from rayllm.loop.optimizer import build_optimizer, set_lr
 from rayllm.loop.session import Session
 from rayllm.loop.validation import Validator
-from rayllm.loop.watchdog import HangWatchdog
+from rayllm.loop.watchdog import SLOW_PHASE_S, HangWatchdog
 from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
 from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
 from rayllm.parallel.fsdp import accumulate
 from rayllm.parallel.layout import Layout, resolve_layout
 from rayllm.parallel.tp import loss_context
+
+# An in-memory save's deadline: the step's, or this many times the last save if longer (the first
+# save, which starts the keepers, gets a slow phase's).
+MEMORY_SAVE_FACTOR = 10.0
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -320,7 +324,7 @@ class Trainer:
         # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
         memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
         if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
-            with watchdog.slow():
+            with watchdog.slow(self._memory_save_deadline(watchdog), "an in-memory checkpoint"):
                 self._checkpoint(metrics, final=False, in_memory=True)
         if agreed.preempted_rank is not None:
             self.checkpointer.close()
@@ -336,6 +340,11 @@ class Trainer:
         if log:
             window.start()  # the next window's clock: validation and checkpoints are not step time
         return False
+
+    def _memory_save_deadline(self, watchdog: HangWatchdog) -> float:
+        """A peer lost in an in-memory save (often every step) is a hang as in a step (see MEMORY_SAVE_FACTOR)."""
+        last = self.checkpointer.memory_save_s
+        return SLOW_PHASE_S if last is None else max(watchdog.deadline(), MEMORY_SAVE_FACTOR * last)
 
     def _train_next(self, batches: Iterator[tuple[np.ndarray, DataState]], window: MetricWindow, first: bool) -> None:
         """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
