@@ -57,3 +57,28 @@ def test_a_rank_is_a_straggler_only_when_slow_in_consecutive_windows():
     assert stragglers.update([0.10, 0.11, 0.11]) == {}  # back in line
     assert stragglers.update([0.01, 0.03, 0.01]) == {}  # 3x, but by 20 ms: noise
     assert stragglers.update([0.01, 0.03, 0.01]) == {}
+
+
+def test_an_in_memory_save_has_a_steps_deadline_not_a_slow_phases(tmp_path):
+    """In-memory checkpoints come as often as every step: a peer lost inside one (stopped, killed)
+    must be a hang within the step's deadline, not after the 30-minute slow phase. The first save,
+    which starts the keepers, still gets a slow phase's; a slow save stretches its own deadline."""
+    from types import SimpleNamespace
+
+    from rayllm.loop.trainer import MEMORY_SAVE_FACTOR, Trainer
+    from rayllm.loop.watchdog import HangWatchdog
+
+    config = TrainConfig()
+    config.run.dir = str(tmp_path)
+    config.train.hang_timeout_s = 15.0
+    dog = HangWatchdog(config, 0, 1, "here", 1, emit=lambda event: None)
+    try:
+        dog.beat(1, 0.5)  # the first step: start-up is over
+        trainer = SimpleNamespace(checkpointer=SimpleNamespace(memory_save_s=None))
+        assert Trainer._memory_save_deadline(trainer, dog) == SLOW_PHASE_S
+        trainer.checkpointer.memory_save_s = 0.5
+        assert Trainer._memory_save_deadline(trainer, dog) == 15.0
+        trainer.checkpointer.memory_save_s = 4.0
+        assert Trainer._memory_save_deadline(trainer, dog) == 4.0 * MEMORY_SAVE_FACTOR
+    finally:
+        dog.stop()
