@@ -207,22 +207,33 @@ class HangWatchdog:
 
     def _gather(self, report: dict) -> list[dict]:
         """Every rank's report that arrives within GATHER_S, through the process group's store."""
-        store = _store()
-        if store is None or self.world_size == 1:
-            return [report]
-        prefix = f"{STORE_PREFIX}/{self.attempt}"
-        found = {self.rank: report}
+        return gather_reports(_store(), report, self.rank, self.world_size, f"{STORE_PREFIX}/{self.attempt}")
+
+
+def gather_reports(store, report: dict, rank: int, world_size: int, prefix: str, within_s: float = GATHER_S):
+    """The ranks' reports that arrive within ``within_s``, this one's first. The store's server lives
+    in rank 0's process, which may be the stopped or hung one: a store call may then never return,
+    so the calls run in a thread of their own and the wait ends at the deadline regardless."""
+    found = {rank: report}
+    if store is None or world_size == 1:
+        return [report]
+
+    def collect() -> None:
         try:
-            store.set(f"{prefix}/{self.rank}", json.dumps(report))
-            until = time.monotonic() + GATHER_S
-            while len(found) < self.world_size and time.monotonic() < until:
-                for r in range(self.world_size):
+            store.set(f"{prefix}/{rank}", json.dumps(report))
+            while len(found) < world_size and time.monotonic() < until:
+                for r in range(world_size):
                     if r not in found and store.check([f"{prefix}/{r}"]):
                         found[r] = json.loads(store.get(f"{prefix}/{r}"))
                 time.sleep(0.2)
         except Exception:  # the store's host is gone: say what this rank knows
             pass
-        return [found[r] for r in sorted(found)]
+
+    until = time.monotonic() + within_s
+    thread = threading.Thread(target=collect, name="rayllm-hang-gather", daemon=True)
+    thread.start()
+    thread.join(within_s + 1.0)
+    return [found[r] for r in sorted(dict(found))]
 
 
 def _store():

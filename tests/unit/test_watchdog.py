@@ -82,3 +82,43 @@ def test_an_in_memory_save_has_a_steps_deadline_not_a_slow_phases(tmp_path):
         assert Trainer._memory_save_deadline(trainer, dog) == 4.0 * MEMORY_SAVE_FACTOR
     finally:
         dog.stop()
+
+
+STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, True, timedelta(seconds=60), wait_for_workers=False)
+print("serving", flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_hang_report_is_gathered_within_its_deadline_when_the_stores_host_is_the_stopped_rank():
+    """The process group's store is served from rank 0's process: with rank 0 stopped (SIGSTOP, as a
+    hung or frozen process), a store call never returns. The peer that fires must still say what it
+    knows within the gather's deadline, not sit out the fire limit (120 s) without a line."""
+    import os
+    import signal
+    import subprocess
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rayllm.loop.watchdog import gather_reports
+    from rayllm.parallel.process_group import free_port
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "serving"
+        store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
+        store.set("alive", "1")
+        os.kill(host.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        reports = gather_reports(store, {"rank": 1, "step": 7}, 1, 2, "hang/1", within_s=1.0)
+        assert reports == [{"rank": 1, "step": 7}]
+        assert time.monotonic() - started < 5.0, "bounded by the gather's deadline, not the store's timeout"
+    finally:
+        os.kill(host.pid, signal.SIGKILL)
+        host.wait(timeout=10)
