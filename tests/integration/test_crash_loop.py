@@ -62,10 +62,13 @@ def test_a_process_killed_at_the_same_step_on_every_attempt_ends_the_run_naming_
         watcher.join(timeout=5)
     message = str(caught.value)
     found = re.match(
-        r"training failed: 2 attempts in a row ended without a new checkpoint, each at step (\d+)", message
+        r"training failed: 2 attempts in a row ended without a new checkpoint, (?:each at step|at steps) ([\d, ]+)",
+        message,
     )
     assert found, message
-    assert int(found.group(1)) in (3, 4, 5), message  # killed in the commit of step 4's checkpoint
+    steps = [int(step) for step in found.group(1).split(",")]
+    # killed in the commit of step 4's checkpoint, which may finish while step 5 runs
+    assert set(steps) <= {3, 4, 5}, message
     assert "the process was killed" in message and "cluster.max_attempts_without_progress" in message
     assert len(fired) == 3  # the first attempt committed step 2; the next two made no progress
     starts = [r["step"] for r in read_records(config.run.dir, "start")]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, assert_clear_error, cli_train_cmd, ray_head, read_records, s3_client, torchrun_cmd
 
+from rayllm.bench.fault_proxy import FaultProxy
 from rayllm.checkpoint.lease import LEASE_FILE, LeaseOwner, LeaseRecord, RunDirLease, RunDirTaken, read_lease
 from rayllm.io.settings import StorageSettings
 
@@ -203,6 +204,32 @@ def test_the_lease_works_on_object_storage(s3_server):
     taker.acquire()
     assert "taking over the lease of run gone" in said[0] and read_lease(run_dir, storage).owner == taker.owner
     taker.release()
+
+
+def test_the_heartbeat_outlives_a_storage_outage_past_the_retry_deadline(s3_server):
+    """The renewal thread meets StorageUnavailable (not an OSError) once an outage outlasts
+    storage.retry_deadline_s; it must beat again afterwards, not die and let the lease lapse."""
+    s3_client(s3_server).create_bucket(Bucket="rayllm-lease-outage")
+    proxy = FaultProxy(s3_server)
+    storage = StorageSettings(
+        endpoint_url=proxy.url, key="testing", secret="testing", region="us-east-1", retry_deadline_s=0.5
+    )
+    run_dir = "s3://rayllm-lease-outage/run"
+    said: list[str] = []
+    lease = RunDirLease(run_dir, storage, timeout_s=4.0, log=said.append)
+    lease.acquire()
+    try:
+        # A failed call takes seconds (s3fs's and botocore's own retries), two make an episode
+        # past its 0.5 s deadline: 20 s are several StorageUnavailable beats.
+        proxy.cut(20.0)
+        time.sleep(20.5)
+        before = read_lease(run_dir, storage).heartbeat_at
+        time.sleep(3.0)  # beats after the outage
+        assert read_lease(run_dir, storage).heartbeat_at > before, said
+        assert any("renewing the lease failed (StorageUnavailable); retrying" in line for line in said), said
+    finally:
+        lease.release()
+        proxy.close()
 
 
 WATCHED_END = """
