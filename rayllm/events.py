@@ -79,7 +79,10 @@ class Start(RunEvent):
     world_size: int
     params: int
     flops_per_token: float
-    peak_flops: float  # every rank's matmul peak together (MFU's denominator)
+    peak_flops: float  # every rank's measured matmul peak together
+    # Every rank's published dense bf16 peak together (MFU's denominator) where the GPU is known
+    # and trains in bf16; else None, and MFU is against peak_flops.
+    published_peak_flops: float | None = None
     restarts: int
     resumed_from: str | None  # "memory" or "storage"; None: a fresh start
     accum_steps: int  # micro-batches per rank per step
@@ -101,7 +104,8 @@ class Train(RunEvent):
     tokens_per_s: float
     tokens_per_s_per_worker: float
     flops_per_s: float
-    mfu: float
+    mfu: float  # against the published peak where known (Start.published_peak_flops), else the measured
+    mfu_measured: float | None = None  # against the matmul peak measured at the start (absent in older records)
     step_time_s: float
     data_wait_frac: float
     data_wait_max_frac: float
@@ -110,6 +114,8 @@ class Train(RunEvent):
     rank_data_wait_s: list[float]
     rank_collective_wait_s: list[float]
     peak_memory_bytes: int
+    peak_reserved_bytes: int | None = None  # CUDA: the caching allocator's most (absent in older records)
+    alloc_retries: int | None = None  # CUDA: cache flushes to satisfy an allocation, so far
     world_size: int
     restarts: int
     skipped_shards: int

@@ -33,12 +33,20 @@ from rayllm.bench.common import StepSession, cpu_name, flash_attention_fits, syn
 from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 from rayllm.errors import RayllmError
-from rayllm.hardware import matmul_peak_flops, peak_resident_bytes, reset_peak_resident, resident_bytes
-from rayllm.loop.trainer import Trainer, build_optimizer, model_args
+from rayllm.hardware import (
+    matmul_peak_flops,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
+from rayllm.loop.optimizer import build_optimizer
+from rayllm.loop.setup import model_args
+from rayllm.loop.trainer import Trainer
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel import gpus
 from rayllm.parallel.apply import compute_dtype, should_compile
 from rayllm.parallel.fsdp import apply_fsdp
+from rayllm.parallel.gpus import published_peak_flops
 from rayllm.parallel.init import materialize
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.mesh import build_mesh, tp_mesh
@@ -70,12 +78,6 @@ def planner_gpu(name: str | None) -> str | None:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
-def published_peak(name: str | None) -> float | None:
-    """The datasheet's dense bf16 peak (rayllm.parallel.gpus), for the GPUs it lists."""
-    spec = gpus.for_device(name)
-    return spec.bf16_dense_flops if spec is not None else None
 
 
 def bench_config(tiny: bool, world: int) -> TrainConfig:
@@ -161,7 +163,7 @@ def bench_step(config: TrainConfig, rank: int, world: int, device: torch.device,
     attention = 12.0 * args.n_layers * args.n_heads * args.head_dim * seq
     fpt_causal = fpt - attention / 2
     name = device_name(device)
-    published = published_peak(name) if cuda else None
+    published = published_peak_flops(name, torch.bfloat16) if cuda else None
     measured = _all_reduce(peak, device)  # every rank's peak: MFU over all the ranks' FLOP/s
     mfu = {"measured": fpt * tokens_per_s / measured, "measured_causal": fpt_causal * tokens_per_s / measured}
     if published:

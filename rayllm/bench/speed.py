@@ -59,7 +59,7 @@ from rayllm.hardware import (
     resident_bytes,
 )
 from rayllm.model import Llama, flops_per_token
-from rayllm.parallel.apply import compute_dtype, should_compile
+from rayllm.parallel.apply import compute_dtype, should_compile, wrap_blocks
 from rayllm.parallel.process_group import free_port, init_group
 
 MEMORY_VARIANTS = {
@@ -74,7 +74,7 @@ class BareLoop:
     """The baseline: the training step as a PyTorch user writes it, without rayllm."""
 
     def __init__(self, config: TrainConfig, device: torch.device):
-        from rayllm.loop.trainer import model_args
+        from rayllm.loop.setup import model_args
 
         t = config.train
         self.device, self.micro = device, t.micro_batch_size
@@ -82,9 +82,7 @@ class BareLoop:
         torch.manual_seed(t.seed)
         self.model = Llama(model_args(config)).to(device)
         if should_compile(t.compile, device):
-            for i, block in enumerate(self.model.layers):
-                self.model.layers[i] = torch.compile(block, fullgraph=True)
-            self.model.head_loss = torch.compile(self.model.head_loss, fullgraph=True)
+            wrap_blocks(self.model, activation_checkpointing=False, compile=True)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         rest = [p for p in self.model.parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(

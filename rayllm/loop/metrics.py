@@ -11,6 +11,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,6 +23,22 @@ from rayllm.hardware import peak_resident_bytes
 
 if TYPE_CHECKING:
     from rayllm.loop.session import Session
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """MFU's denominators, every rank's together. ``published``: the GPU's datasheet dense bf16
+    peak, where the GPU is known and trains in bf16: the field's convention (papers, torchtitan),
+    so MFU compares across reports. ``measured``: what this machine's matmuls reach, measured at
+    the start (on an H100 roughly 75-80% of the published): the second figure, and the only one
+    on a CPU."""
+
+    measured: float
+    published: float | None = None
+
+    @property
+    def basis(self) -> float:
+        return self.published or self.measured
 
 
 def plain(loss: torch.Tensor) -> torch.Tensor:
@@ -57,11 +74,19 @@ def all_nodes(node: str) -> list[str]:
     return nodes
 
 
-def peak_memory(device: torch.device) -> int:
-    """Bytes: the most the device held (CUDA), else the process's peak resident memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return peak_resident_bytes()
+def peak_memory(device: torch.device) -> dict[str, int | None]:
+    """The window's memory metrics. CUDA: the most the tensors held, the most the caching
+    allocator reserved (what the GPU really gave up: nvidia-smi's figure less the context), and
+    how often it had to free its cache and retry (a sign of fragmentation or a near-OOM);
+    elsewhere the process's peak resident memory alone."""
+    if device.type != "cuda":
+        return {"peak_memory_bytes": peak_resident_bytes(), "peak_reserved_bytes": None, "alloc_retries": None}
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+    }
 
 
 def mixture(sources: Sequence[str], counts: np.ndarray) -> dict[str, float]:
@@ -78,8 +103,8 @@ class MetricWindow:
     metrics and empties the window; ``start`` restarts its clock (it starts with the window).
 
     Of the session it reads the world size, the device and the training sources' names; MFU is
-    against ``peak_flops`` (all ranks' together), the mixture counts ``counts_before`` (all
-    ranks', before this attempt) in.
+    against ``peaks.basis`` (and ``mfu_measured`` against the measured matmul peak), the
+    mixture counts ``counts_before`` (all ranks', before this attempt) in.
     """
 
     def __init__(
@@ -87,12 +112,12 @@ class MetricWindow:
         config: TrainConfig,
         session: Session,
         flops_per_token: float,
-        peak_flops: float,
+        peaks: PeakFlops,
         restarts: int,
         counts_before: np.ndarray,
     ):
         self.tokens_per_step = config.train.global_batch_size * config.data.seq_len
-        self.flops_per_token, self.peak_flops, self.restarts = flops_per_token, peak_flops, restarts
+        self.flops_per_token, self.peaks, self.restarts = flops_per_token, peaks, restarts
         self.world_size, self.device = session.world_size, session.device
         self.sources = [source.name for source in session.train_spec.sources]
         self.counts_before = counts_before
@@ -145,7 +170,8 @@ class MetricWindow:
             "tokens_per_s": tps,
             "tokens_per_s_per_worker": tps / self.world_size,
             "flops_per_s": tps * self.flops_per_token,
-            "mfu": tps * self.flops_per_token / self.peak_flops,
+            "mfu": tps * self.flops_per_token / self.peaks.basis,
+            "mfu_measured": tps * self.flops_per_token / self.peaks.measured,
             "step_time_s": elapsed / self.steps,
             "data_wait_frac": sum(waits) / len(waits) / elapsed,
             "data_wait_max_frac": max(waits) / elapsed,
@@ -153,7 +179,7 @@ class MetricWindow:
             "rank_own_step_s": own.tolist(),
             "rank_data_wait_s": (rows[:, 1] / self.steps).tolist(),
             "rank_collective_wait_s": (rows[:, 2] / self.steps).tolist(),
-            "peak_memory_bytes": peak_memory(self.device),
+            **peak_memory(self.device),
             "world_size": self.world_size,
             "restarts": self.restarts,
             "skipped_shards": skipped_shards,

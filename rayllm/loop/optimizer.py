@@ -39,3 +39,14 @@ def set_lr(optimizer: torch.optim.Optimizer, step: int, config: TrainConfig) -> 
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped on the device where ``finite`` (a 0-dim bool tensor) is False.
+
+    The fused AdamW reads ``found_inf`` as GradScaler sets it, and leaves weights, moments and
+    its step count as they were: the skip needs no host read of the flag, so the host never
+    waits for the GPU before the update (torch.optim.adam._fused_adam).
+    """
+    optimizer.found_inf = (~finite).to(torch.float32)
+    optimizer.step()

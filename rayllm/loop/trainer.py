@@ -16,7 +16,6 @@ its typed TrainState (rayllm.checkpoint); what the loop needs of its environment
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -24,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from rayllm import events
 from rayllm.checkpoint import hf_import
@@ -38,42 +36,25 @@ from rayllm.errors import RayllmError, WorkerPreempted
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.loop import fault_injection as faults
 from rayllm.loop.data_resume import resume_data
+from rayllm.loop.gc_schedule import GarbageSchedule
 from rayllm.loop.ledger import DataLedger
-from rayllm.loop.metrics import MetricWindow, all_nodes, all_sum, plain
-from rayllm.loop.optimizer import build_optimizer, set_lr
+from rayllm.loop.metrics import MetricWindow, PeakFlops, all_nodes, all_sum, plain
+from rayllm.loop.optimizer import build_optimizer, set_lr, step_if_finite
 from rayllm.loop.session import Session
+from rayllm.loop.setup import agreed_ranks_per_node, model_args
+from rayllm.loop.unread import UnreadSteps, diverged
 from rayllm.loop.validation import Validator
 from rayllm.loop.watchdog import SLOW_PHASE_S, HangWatchdog
-from rayllm.model import Llama, ModelArgs, flops_per_token, num_params
+from rayllm.model import Llama, flops_per_token, num_params
 from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
 from rayllm.parallel.fsdp import accumulate
-from rayllm.parallel.layout import Layout, resolve_layout
+from rayllm.parallel.gpus import published_peak_flops
+from rayllm.parallel.layout import Layout, check_placement, resolve_layout
 from rayllm.parallel.tp import loss_context
 
 # An in-memory save's deadline: the step's, or this many times the last save if longer (the first
 # save, which starts the keepers, gets a slow phase's).
 MEMORY_SAVE_FACTOR = 10.0
-
-
-def model_args(config: TrainConfig) -> ModelArgs:
-    """The model's own arguments: the config's model section, sized for the run's sequences."""
-    shape = {k: v for k, v in dataclasses.asdict(config.model).items() if k != "init_from"}
-    return ModelArgs(**shape, max_seq_len=config.data.seq_len)
-
-
-def import_init_weights(config: TrainConfig, log) -> None:
-    """Driver (or torchrun's rank 0): model.init_from's folder converted into the run dir, once."""
-    if config.model.init_from:
-        hf_import.convert(config.model.init_from, model_args(config), config.run.dir, config.storage, log)
-
-
-def agreed_ranks_per_node(session: Session) -> int | None:
-    """Ranks per node when every node runs the same number (what HSDP's "auto" needs), else None."""
-    if session.world_size == 1:
-        return 1
-    t = torch.tensor([session.local_world_size, -session.local_world_size], dtype=torch.int64, device=session.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0]) if int(t[0]) == -int(t[1]) else None
 
 
 class Trainer:
@@ -94,6 +75,8 @@ class Trainer:
             n_params=self.n_params,
             use_gpu=self.device.type == "cuda",
         )
+        self.nodes = all_nodes(session.node)  # each rank's, in rank order
+        check_placement(self.layout, self.nodes)  # before any group of the layout is made
         self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
         self.data_rank = self.layout.data_rank(session.rank)
         self.dtype = compute_dtype(t.precision, self.device)
@@ -122,7 +105,8 @@ class Trainer:
         self.restarts = 0
         self.checkpointer: Checkpointer | None = None  # built in fit(): collective, on every rank
         self.stopped = False  # ended early on a stop request, with a checkpoint
-        self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm
+        self.nonfinite_in_row = 0  # steps skipped in a row for a NaN/inf loss or gradient norm (read)
+        self.unread = UnreadSteps()  # steps whose loss and norm are still on the device
         self.resumed_from: str | None = None  # "memory" or "storage": where restore() found the state
         session.phases["model"] = time.time()
 
@@ -168,25 +152,26 @@ class Trainer:
         ids = self.ledger.take_ids(in_memory)
         self.checkpointer.save_step(state, metrics, ids, self.model, self.optimizer, final=final, in_memory=in_memory)
 
-    def _diverged(self) -> RayllmError:
+    def _diverged(self, step: int) -> RayllmError:
         """Collective: commit what is pending (finite weights), then the error that ends the run."""
         self.checkpointer.close()
-        latest = self.checkpointer.latest()
-        where = f" ({latest})" if latest else ""
-        return RayllmError(
-            f"the loss or gradient norm was NaN or infinite at {self.nonfinite_in_row} steps in a row, up to step "
-            f"{self.step} (train.max_nonfinite_steps); those steps were skipped and the run stopped. The latest "
-            f"checkpoint{where} is the last finite one: lower train.lr, raise train.warmup_steps, or check the data "
-            "at these steps"
-        )
+        return diverged(self.nonfinite_in_row, step, self.checkpointer.latest())
 
     # -- steps ---------------------------------------------------------------------------
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
-        """One optimizer step on this rank's rows of the global batch; returns (loss, grad_norm)."""
+        """One optimizer step, read at once (benchmarks, tests): (loss, grad_norm)."""
+        loss, norm = self.step_on_device(rows).tolist()
+        return loss, norm
+
+    def step_on_device(self, rows: np.ndarray) -> torch.Tensor:
+        """One optimizer step on this rank's rows of the global batch, with no host wait for the
+        device: (loss, grad_norm) stay there, (2,); a non-finite step is skipped there too."""
         t = self.config.train
         self.ledger.record(rows)
-        tokens = np.ascontiguousarray(rows["tokens"])
-        batch = torch.from_numpy(tokens).to(self.device, dtype=torch.long, non_blocking=True)
+        batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"]))
+        if self.device.type == "cuda":  # from pageable memory the copy would wait for the stream
+            batch = batch.pin_memory()
+        batch = batch.to(self.device, non_blocking=True).long()  # widened on the device, after the copy
         micro = batch.split(t.micro_batch_size)
         set_lr(self.optimizer, self.step, self.config)
         total = torch.zeros((), device=self.device)
@@ -198,40 +183,39 @@ class Trainer:
                 if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
                     loss = loss * faults.loss_scale(self.step + 1)
                 loss.backward()
-            total += plain(loss.detach())  # summed on the device: one sync per step, not per micro-batch
+            total += plain(loss.detach())  # summed on the device
 
         accumulate(self.model, micro, backward)
         faults.maybe_hang(self.step + 1, self.session.rank)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        loss_value, norm_value = total.item(), float(norm)
         # The norm is global (every rank computes the same), so every rank skips the same steps;
         # a NaN or inf loss on any rank makes it non-finite through the gradients' reduction.
-        finite = math.isfinite(norm_value) and math.isfinite(loss_value)
-        if finite:
-            if self.checkpointer is not None:  # an async save's copy overlapped forward and backward,
-                self.checkpointer.wait_copied()  # and the optimizer step changes the weights
-            self.optimizer.step()
+        finite = torch.isfinite(norm) & torch.isfinite(total)
+        if self.checkpointer is not None:  # an async save's copy overlapped forward and backward,
+            self.checkpointer.wait_copied()  # and the optimizer step changes the weights
+        step_if_finite(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self.nonfinite_in_row = 0 if finite else self.nonfinite_in_row + 1
         self.step += 1
         self.consumed += t.global_batch_size
-        return loss_value, norm_value
+        return torch.stack([total, norm.to(total.dtype)])
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to the end (or a stop), under a hang watchdog (watchdog.py)."""
+        """Train to the end (or a stop), under a hang watchdog (watchdog.py), collecting Python's
+        garbage on a schedule (gc_schedule.py)."""
         session = self.session
         watchdog = HangWatchdog(
             self.config, session.rank, session.world_size, session.node, session.attempt, session.emit
         )
         try:
-            return self._fit(watchdog)
+            with GarbageSchedule() as collector:
+                return self._fit(watchdog, collector)
         finally:
             watchdog.stop()
 
-    def _fit(self, watchdog: HangWatchdog) -> dict[str, Any]:
+    def _fit(self, watchdog: HangWatchdog, collector: GarbageSchedule) -> dict[str, Any]:
         t, session = self.config.train, self.session
         self.checkpointer = Checkpointer(
             self.config,
@@ -251,13 +235,13 @@ class Trainer:
             session.report(self.last_metrics)
             self.checkpointer.close()
             return self.last_metrics
-        fpt, peak_flops = self._announce_start()
+        fpt, peaks = self._announce_start()
         batches = prefetched(session.train_batches(self.data_state, self.consumed - self.data_origin, self.layout.tp))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
         validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
         if self.step == 0 and (val := validator.loss()) is not None:
             self._emit(events.Val(step=0, val_loss=val))
-        window = MetricWindow(self.config, session, fpt, peak_flops, self.restarts, self.ledger.counts_before)
+        window = MetricWindow(self.config, session, fpt, peaks, self.restarts, self.ledger.counts_before)
         metrics: dict[str, Any] = dict(self.last_metrics)
         start = self.step
         while self.step < end:
@@ -267,34 +251,38 @@ class Trainer:
             self._train_next(batches, window, first=self.step == start)
             agreed = self.checkpointer.agree(session.stop_requested(), session.preempted())
             watchdog.beat(self.step, time.monotonic() - step_started)
+            collector.after_step(self.step)
             if self._after_step(agreed, end, window, validator, watchdog, metrics):
                 break
         self.checkpointer.close()
         self.last_metrics = metrics
         return metrics
 
-    def _announce_start(self) -> tuple[float, float]:
-        """Collective: the matmul peak (MFU's denominator), and the "start" record; (FLOPs per token, peak)."""
+    def _announce_start(self) -> tuple[float, PeakFlops]:
+        """Collective: MFU's denominators, and the "start" record; (FLOPs per token, peaks)."""
         session = self.session
         fpt = flops_per_token(self.args, self.config.data.seq_len)
         # Every rank's measured matmul peak, together (before data loads start).
         measure = lambda: all_sum([matmul_peak_flops(self.device)], self.device)[0]  # noqa: E731
-        peak_flops = session.peak_flops(measure)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        published = published_peak_flops(name, self.dtype)
+        peaks = PeakFlops(session.peak_flops(measure), published * session.world_size if published else None)
         self._emit(
             events.Start(
                 step=self.step,
                 world_size=session.world_size,
                 params=self.n_params,
                 flops_per_token=fpt,
-                peak_flops=peak_flops,
+                peak_flops=peaks.measured,
+                published_peak_flops=peaks.published,
                 restarts=self.restarts,
                 resumed_from=self.resumed_from,
                 accum_steps=self.accum,
                 layout=self.layout.describe(),
-                nodes=all_nodes(session.node),
+                nodes=self.nodes,
             )
         )
-        return fpt, peak_flops
+        return fpt, peaks
 
     def _after_step(
         self,
@@ -307,22 +295,25 @@ class Trainer:
     ) -> bool:
         """Collective: commit, log, validate and checkpoint as due; whether the loop ends here."""
         t = self.config.train
-        if self.checkpointer.pending is not None and not agreed.writing:
-            self.checkpointer.commit(self.checkpointer.pending)
         last = self.step == end or agreed.stop or agreed.preempted_rank is not None
         log = self.step % t.log_every == 0 or last
+        stored_due = self.step % t.checkpoint_every == 0 or agreed.checkpoint_due or last
+        memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
+        if log or stored_due or memory_due:  # what follows needs to know whether the steps were finite
+            self._read_steps(window)
+        if self.checkpointer.pending is not None and not agreed.writing:
+            self.checkpointer.commit(self.checkpointer.pending)
         if log:
             self._log(window, metrics, watchdog.collective_fraction())
         if self.step % t.val_every == 0 or last:
             with watchdog.slow():
                 self._validate(validator, metrics)
         # Never a checkpoint of a skipped (non-finite) step: it must not replace the last finite one.
-        if (self.step % t.checkpoint_every == 0 or agreed.checkpoint_due or last) and not self.nonfinite_in_row:
+        if stored_due and not self.nonfinite_in_row:
             with watchdog.slow():
                 self._checkpoint(metrics, final=last)
         # In memory too when due, unless a stored checkpoint of this step is already committed:
         # an async one is not yet, and a failure before its commit must still cost <= 1 interval.
-        memory_due = self.checkpointer.memory and self.step % t.memory_checkpoint_every == 0
         if memory_due and not self.nonfinite_in_row and self.checkpointer.committed_step != self.step:
             with watchdog.slow(self._memory_save_deadline(watchdog), "an in-memory checkpoint"):
                 self._checkpoint(metrics, final=False, in_memory=True)
@@ -347,15 +338,13 @@ class Trainer:
         return SLOW_PHASE_S if last is None else max(watchdog.deadline(), MEMORY_SAVE_FACTOR * last)
 
     def _train_next(self, batches: Iterator[tuple[np.ndarray, DataState]], window: MetricWindow, first: bool) -> None:
-        """One step on the next batch, reported (rank 0) and added to ``window``; the run's error at
-        train.max_nonfinite_steps non-finite steps in a row."""
-        t = self.config.train
+        """One step on the next batch, its numbers left unread (``_read_steps``), reported (rank 0)."""
         faults.maybe_raise_at(self.step + 1, self.session.rank)
         with window.waiting():
             faults.maybe_slow_data(self.session.rank)
             rows, data_state = next(batches)
         batch_at = time.time()
-        loss, grad_norm = self.train_step(rows)
+        self.unread.add(self.step + 1, self.step_on_device(rows))
         if skipped := data_state.skipped[len(self.data_state.skipped) :]:  # shards skipped since the last step
             self._emit(events.Skipped(step=self.step, shards=skipped))
         if data_state.dropped != self.data_state.dropped or (first and data_state.dropped):
@@ -364,11 +353,22 @@ class Trainer:
         if first:  # with when this attempt's start-up stages ended (rank 0's clock), for bench recovery
             phases = {**self.session.phases, "batch": batch_at}
             self._emit(events.FirstStep(step=self.step, phases=phases, stream_kept=self.session.stream_kept))
-        if self.nonfinite_in_row:
-            self._emit(events.NonFinite(step=self.step, loss=loss, grad_norm=grad_norm, in_row=self.nonfinite_in_row))
-            if t.max_nonfinite_steps and self.nonfinite_in_row >= t.max_nonfinite_steps:
-                raise self._diverged()
-        window.add(loss, grad_norm, finite=not self.nonfinite_in_row)
+
+    def _read_steps(self, window: MetricWindow) -> None:
+        """The unread steps' numbers into ``window``, a non-finite one named; the run's error at
+        train.max_nonfinite_steps non-finite steps in a row (noticed here, skipped on the device)."""
+        limit = self.config.train.max_nonfinite_steps
+        for done in self.unread.read():
+            self.nonfinite_in_row = 0 if done.finite else self.nonfinite_in_row + 1
+            if not done.finite:
+                self._emit(
+                    events.NonFinite(
+                        step=done.step, loss=done.loss, grad_norm=done.grad_norm, in_row=self.nonfinite_in_row
+                    )
+                )
+                if limit and self.nonfinite_in_row >= limit:
+                    raise self._diverged(done.step)
+            window.add(done.loss, done.grad_norm, finite=done.finite)
 
     def _log(self, window: MetricWindow, metrics: dict[str, Any], collective_frac: float) -> None:
         """Collective: the window's metrics into ``metrics``, and the "train" record."""

@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x.float()  # one fp32 copy of a bf16 x, not two (the memory planner counts one)
+        norm = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return norm.type_as(x) * self.weight
 
 
@@ -164,6 +165,12 @@ def initial_weight(
     return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, vocab) against targets (B, T), in fp32. Compiled, the
+    fp32 upcast fuses into the log-softmax: no fp32 copy of the logits is ever held."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
 class Llama(nn.Module):
     """Built on the ``meta`` device, it allocates nothing: ``rayllm.parallel`` shards it, then
     materialises each rank's shards with ``initial_weight`` and ``reset_buffers``."""
@@ -178,6 +185,7 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         shape = (args.max_seq_len, args.head_dim // 2)
+        self.loss_fn = cross_entropy  # replaced by its compiled form under train.compile
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         if not self.rope_cos.is_meta:
@@ -212,15 +220,10 @@ class Llama(nn.Module):
             h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(i))
         if cache is not None:
             cache.length += T
-        if targets is None:
-            return self.output(self.norm(h))
-        return self.head_loss(h, targets)
-
-    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final norm, output head and cross-entropy: one function, so that ``torch.compile`` can
-        fuse the norm and the log-softmax's passes over the (B, T, vocab) logits."""
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+        logits = self.output(self.norm(h))  # (B, T, vocab)
+        # The norm and the head are an FSDP unit of their own (rayllm.parallel.fsdp), whose hooks
+        # must stay outside compiled code: under train.compile only loss_fn is compiled.
+        return logits if targets is None else self.loss_fn(logits, targets)
 
 
 def num_params(model: nn.Module) -> int:

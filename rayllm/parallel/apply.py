@@ -74,6 +74,20 @@ def parallelize(
     mesh = build_mesh(layout, device.type) if fsdp or layout.tp > 1 else None
     if layout.tp > 1:
         apply_tp(model, tp_mesh(mesh))
+    wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile, tp=layout.tp)
+    if fsdp:
+        apply_fsdp(model, dp_mesh(mesh, layout), dtype=dtype, cpu_offload=cpu_offload)
+    if on_meta:
+        # With offload FSDP keeps the shards in CPU memory and copies them to the GPU per block.
+        materialize(model, torch.device("cpu") if cpu_offload else device, seed, buffer_device=device)
+    elif not fsdp:
+        model.to(device)
+    return model
+
+
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool, tp: int = 1) -> None:
+    """Each block checkpointed and/or compiled, in place, before FSDP wraps it; under compile the
+    loss too."""
     layers = model.layers
     for i, block in enumerate(layers):
         if activation_checkpointing:
@@ -83,17 +97,8 @@ def parallelize(
             # graph serves all of them, and FSDP's hooks stay outside the compiled region.
             block = torch.compile(block, fullgraph=True)
         layers[i] = block
-    if compile and layout.tp == 1:
-        # The head too: fusing the final norm and the log-softmax over the logits saves ~10% of
-        # the tiny model's step on CPU. Compiled as a method of the root, it runs inside the
-        # root's forward, where FSDP has gathered the root's parameters. (Under TP the logits
-        # are split by vocabulary and the loss is loss_parallel's.)
-        model.head_loss = torch.compile(model.head_loss, fullgraph=True)
-    if fsdp:
-        apply_fsdp(model, dp_mesh(mesh, layout), dtype=dtype, cpu_offload=cpu_offload)
-    if on_meta:
-        # With offload FSDP keeps the shards in CPU memory and copies them to the GPU per block.
-        materialize(model, torch.device("cpu") if cpu_offload else device, seed, buffer_device=device)
-    elif not fsdp:
-        model.to(device)
-    return model
+    if compile and tp == 1:
+        # The loss alone (the norm and head modules carry FSDP hooks, see Llama.forward): the
+        # fp32 upcast fuses into the log-softmax over the (B, T, vocab) logits. (Under TP the
+        # logits are split by vocabulary and the loss is loss_parallel's.)
+        model.loss_fn = torch.compile(model.loss_fn, fullgraph=True)

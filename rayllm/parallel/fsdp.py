@@ -12,32 +12,48 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, dtype: torch.dtype, cpu_offload: bool) -> None:
-    """Shard each block, then the root (embedding, final norm, head), over ``mesh``.
+    """Shard the embedding, each block, the final norm with the head, then the root, over ``mesh``.
 
     Parameters stay fp32 (the optimizer's master copy); with bf16 the policy casts them for
-    compute and reduces gradients in fp32. With ``cpu_offload`` they live in CPU memory and FSDP
-    copies each block's to the GPU for its forward and backward.
+    compute and reduces gradients in fp32. Only the root casts its inputs (token ids: nothing to
+    cast): a block's hidden state is bf16 already, and its RoPE tables must reach it in fp32.
+    With ``cpu_offload`` parameters live in CPU memory and FSDP copies each unit's to the GPU for
+    its forward and backward.
     """
-    kwargs = {}
+    root, unit = {}, {}
     if dtype != torch.float32:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        root["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        unit["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    layers = model.layers
+        root["offload_policy"] = unit["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     sharded = mesh.size() > 1
-    for i, block in enumerate(layers):
-        # The last block's parameters are needed at once by backward: keep them gathered. With
-        # one rank resharding frees nothing (each rank holds everything), so nothing reshards.
-        fully_shard(block, mesh=mesh, reshard_after_forward=sharded and i < len(layers) - 1, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
+    units = forward_units(model)
+    # Backward needs the last units' parameters at once (the head's unless tied, the last block's):
+    # they stay gathered. With one rank resharding frees nothing (each rank holds everything).
+    held_from = len(units) - (1 if model.args.tie_embeddings else 2)
+    for i, modules in enumerate(units):
+        fully_shard(modules, mesh=mesh, reshard_after_forward=sharded and i < held_from, **unit)
+    fully_shard(model, mesh=mesh, **root)
     if sharded:
-        # Explicit prefetch: each block's all-gather is issued one block ahead, in forward and in
-        # backward, so communication overlaps the block that computes now.
-        for i, block in enumerate(layers):
-            if i + 1 < len(layers):
-                block.set_modules_to_forward_prefetch([layers[i + 1]])
-            if i > 0:
-                block.set_modules_to_backward_prefetch([layers[i - 1]])
+        # Explicit prefetch: each unit's all-gather is issued one unit ahead, in forward and in
+        # backward, so communication overlaps the unit that computes now.
+        first = [m[0] if isinstance(m, list) else m for m in units]
+        for before, after in zip(first, first[1:], strict=False):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+
+
+def forward_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
+    """FSDP's units below the root, in forward order: the embedding, each block, the final norm
+    with the head. Each is gathered only while it computes, so the root holds nothing that stays
+    gathered through the whole step (torchtitan's units). Tied embeddings share one weight
+    between the first and the last unit: it stays in the root, gathered throughout."""
+    layers = list(model.layers)
+    if model.args.tie_embeddings:
+        return layers
+    return [model.tok_embeddings, *layers, [model.norm, model.output]]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 MIB = 2**20
 
 
@@ -39,3 +41,10 @@ def for_device(name: str | None) -> GpuSpec | None:
         if part in n:
             return GPUS[key]
     return GPUS["a100-80gb"] if "a100" in n and "80gb" in n else None
+
+
+def published_peak_flops(device_name: str | None, dtype: torch.dtype) -> float | None:
+    """The GPU's datasheet dense bf16 peak, MFU's conventional denominator; None on a CPU, on a
+    GPU without an entry, or for fp32 training (not what the figure counts)."""
+    spec = for_device(device_name) if device_name and dtype == torch.bfloat16 else None
+    return spec.bf16_dense_flops if spec else None

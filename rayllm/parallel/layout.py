@@ -141,3 +141,28 @@ def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batc
         if global_batch % (micro_batch * layout.dp) == 0:
             sizes.append(n)
     return sizes
+
+
+def check_placement(layout: Layout, nodes: list[str]) -> None:
+    """Refuse a placement whose fast groups cross the network: each TP group inside one node (its
+    collectives run every layer), and under HSDP each shard group inside one node or made of
+    whole nodes (its all-gathers run every block; the replicas' all-reduce is the one meant to
+    cross nodes). ``nodes``: each rank's node, in rank order. Ranks run row-major over
+    (dp_replicate, dp_shard, tp), so a group is a run of consecutive ranks."""
+    per_node: dict[str, int] = {}
+    for node in nodes:
+        per_node[node] = per_node.get(node, 0) + 1
+    groups = [("TP", layout.tp, "parallel.tp")]
+    if layout.dp_replicate > 1:
+        groups.append(("HSDP shard", layout.dp_shard * layout.tp, "parallel.dp_shard"))
+    for what, size, key in groups:
+        for start in range(0, len(nodes), size) if size > 1 else []:
+            members = nodes[start : start + size]
+            spanned = list(dict.fromkeys(members))
+            whole = what != "TP" and all(members.count(n) == per_node[n] for n in spanned)
+            if len(spanned) > 1 and not whole:
+                raise ConfigError(
+                    f"the {what} group of ranks {start}-{start + size - 1} would span nodes {', '.join(spanned)} "
+                    f"({', '.join(str(members.count(n)) for n in spanned)} ranks each), so its collectives would "
+                    f"cross the network; give every node a multiple of {size} workers (its GPUs), or lower {key}"
+                )

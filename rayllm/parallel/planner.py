@@ -19,6 +19,13 @@ from functools import cache, partial
 from rayllm.errors import ConfigError
 from rayllm.parallel.gpus import GPUS, GpuSpec
 from rayllm.parallel.layout import Layout, check_model_split, resolve_layout
+from rayllm.parallel.shape_counts import (
+    Shape,
+    block_bytes_per_token,
+    flops_per_token,
+    model_shape,
+    norm_bytes_per_token,
+)
 
 GIB = 2**30
 # CUDA context and kernel images of torch and NCCL, cuBLAS workspaces: ~2 GiB a process, fixed.
@@ -38,54 +45,6 @@ ASSUMED_MFU = 0.4  # for the step-time estimate only
 # workspaces, NCCL growing its buffers, a spike of the optimizer step).
 RECOMMEND_HEADROOM = 0.9
 FULL_MATMUL_TOKENS = 8192
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Parameter counts from the config's model section (what rayllm.model.Llama builds)."""
-
-    d: int
-    layers: int
-    heads: int
-    q: int  # query width: heads x head_dim
-    kv: int  # key/value width: kv_heads x head_dim
-    hidden: int
-    vocab: int
-    block: int  # parameters of one transformer block
-    root: int  # embedding, output head (unless tied) and final norm
-
-    @property
-    def total(self) -> int:
-        return self.layers * self.block + self.root
-
-
-def model_shape(m) -> Shape:
-    hd = m.dim // m.n_heads
-    hidden = m.ffn_hidden or m.ffn_multiple_of * math.ceil(int(8 * m.dim / 3) / m.ffn_multiple_of)
-    q, kv = m.n_heads * hd, m.n_kv_heads * hd
-    block = 2 * m.dim * q + 2 * m.dim * kv + 3 * m.dim * hidden + 2 * m.dim  # wq wo, wk wv, w1 w2 w3, 2 norms
-    root = m.vocab_size * m.dim * (1 if m.tie_embeddings else 2) + m.dim
-    return Shape(m.dim, m.n_layers, m.n_heads, q, kv, hidden, m.vocab_size, block, root)
-
-
-def _norm_per_token(s: Shape, e: int, tp: int) -> float:
-    """RMSNorm saves its input upcast to fp32 (in fp32: the input itself), the rsqrt, and the normalised
-    value before the weight, all on the sequence shard under sequence parallelism; and its output as
-    the next matmuls see it: gathered to the full sequence under TP."""
-    return (4 * s.d + 4 + e * s.d) / tp + e * s.d
-
-
-def block_bytes_per_token(s: Shape, e: int, tp: int) -> float:
-    """What one block saves for backward, per token, in compute dtype ``e`` bytes: two norms; q and k
-    after rotary, v, SDPA's output and its fp32 logsumexp (flash: no T x T matrix), wo's input; w1's
-    output, SiLU's, w3's and their product. TP splits heads and the feed-forward width."""
-    attention = e * s.q + 2 * e * s.kv + 4 * s.heads + e * s.q + e * s.q
-    return 2 * _norm_per_token(s, e, tp) + (attention + 4 * e * s.hidden) / tp
-
-
-def flops_per_token(s: Shape, seq: int) -> float:
-    """As rayllm.model.flops_per_token: 6 per matmul weight, plus attention's scores and values."""
-    return 6.0 * (s.layers * (s.block - 2 * s.d) + s.d * s.vocab) + 12.0 * s.layers * s.d * seq
 
 
 @dataclass
@@ -133,8 +92,8 @@ class MemoryPlan:
     def format(self) -> str:
         p = self.parts
         notes = {
-            "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered (2 blocks + root) {p['gathered']:,}",
-            "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded block and root {p['grad_unsharded']:,}",
+            "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered (2 blocks + head) {p['gathered']:,}",
+            "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded block and head {p['grad_unsharded']:,}",
             "optimizer": "AdamW exp_avg + exp_avg_sq, fp32, sharded",
             "activations": f"without checkpointing {_gib(self.activations_without_checkpointing)}, "
             f"with {_gib(self.activations_with_checkpointing)}",
@@ -240,17 +199,19 @@ def _state_bytes(s: Shape, layout: Layout, e: int, cpu_offload: bool) -> dict[st
     fsdp = dp > 1 or e != 4 or cpu_offload  # as rayllm.parallel.apply.needs_fsdp
     on_gpu_state = 0 if cpu_offload else 1  # offload keeps the sharded state in CPU memory
     # Parameters: the fp32 master copy, sharded over dp_shard x tp (HSDP replicates it across
-    # dp_replicate). FSDP all-gathers each block in compute dtype for its forward and backward, the
-    # next one prefetched: 2 blocks in flight, and the root (embedding, head) stays gathered for the
-    # whole step. On one rank nothing reshards: the whole model stays gathered.
+    # dp_replicate). FSDP all-gathers each unit in compute dtype for its forward and backward, the
+    # next one prefetched: 2 blocks in flight, and the head (with tied embeddings the whole root)
+    # from its forward to its backward. On one rank nothing reshards: the whole model stays gathered.
     param_shard = 4 * math.ceil(s.total / (shard * tp)) * on_gpu_state
-    gathered_params = (min(2, s.layers) * s.block + s.root if dp > 1 else s.total) / tp
+    gathered_params = (min(2, s.layers) * s.block + s.held_root if dp > 1 else s.total) / tp
     gathered = int(gathered_params * e) if fsdp else 0
     # Gradients: fp32, sharded like the parameters (every micro-batch is reduce-scattered, so they
     # stay sharded across accumulation), plus one block's unsharded gradient in compute dtype and
-    # its fp32 reduce-scatter input, and the root's, reduced only when backward ends.
+    # its fp32 reduce-scatter input; untied, the head's too (its reduce-scatter may still run while
+    # the last block's backward does); tied, the root's, reduced only when backward ends.
     grad_shard = param_shard
-    grad_unsharded = int((s.block * (e + 4) + s.root * e) / tp) if fsdp else 0
+    head = s.root * e if s.tied else s.held_root * (e + 4)
+    grad_unsharded = int((s.block * (e + 4) + head) / tp) if fsdp else 0
     return dict(param_shard=param_shard, gathered=gathered, grad_shard=grad_shard, grad_unsharded=grad_unsharded)
 
 
@@ -263,7 +224,7 @@ def _activation_bytes(s: Shape, e: int, tp: int, tokens: int) -> tuple[int, int,
     act_ac = int(s.layers * e * s.d * tokens / tp + per_block)
     # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
     # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
-    logits_loss = int(tokens * (s.vocab / tp * 12 + _norm_per_token(s, e, tp)))
+    logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)))
     return act_full, act_ac, logits_loss
 
 
@@ -283,8 +244,10 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
     """Bytes each GPU sends per optimizer step (a ring moves (n-1)/n of the data per rank)."""
     tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
     ring = (shard - 1) / shard
-    # Forward gathers every parameter; backward gathers the blocks again, but the last and the root.
-    gathered = (s.total + (s.layers - 1) * s.block) / tp * e
+    # Forward gathers every parameter; backward gathers the blocks again, but the last, and untied
+    # the embedding again (it reshards after its forward; the head stays gathered).
+    again = (s.layers - 1) * s.block + (0 if s.tied else s.root - s.held_root)
+    gathered = (s.total + again) / tp * e
     reduce = s.total / tp * 4  # fp32 reduce dtype, every micro-batch
     all_reduce = 2 * (rep - 1) / rep * s.total / (tp * shard) * 4 if rep > 1 else 0  # once a step (HSDP)
     # Sequence parallelism: per block 2 all-gathers + 2 reduce-scatters of (tokens, dim) forward, as many

@@ -30,9 +30,10 @@ from rayllm.io.settings import StorageSettings
 from rayllm.io.storage import is_remote, join, pyarrow_filesystem, write_text
 from rayllm.loop import fault_injection as faults
 from rayllm.loop.data_resume import check_resume_data
-from rayllm.loop.trainer import import_init_weights
+from rayllm.loop.setup import import_init_weights
 from rayllm.parallel.layout import usable_world_sizes
-from rayllm.parallel.planner import model_shape
+from rayllm.parallel.process_group import gpu_env
+from rayllm.parallel.shape_counts import model_shape
 from rayllm.ray_cluster import connect_ray, node_affinity, pinned_actor
 from rayllm.runtime.control import RunControl
 from rayllm.runtime.failure_policy import failure_message
@@ -83,14 +84,13 @@ def _storage(config: TrainConfig, storage: StorageSettings) -> tuple[str, str, A
 def _thread_env(config: TrainConfig) -> dict[str, str]:
     """CPU threads per worker, set before the worker starts.
 
-    Ray Train V2 workers start without OMP_NUM_THREADS (seen in their environment), and the
-    loop runs in a thread of Ray's, so torch's default of one thread per core would make
-    co-located workers oversubscribe the cores. Fault-injection variables (tests) pass through.
-    On GPU, NCCL's flight recorder keeps the last collectives, which a hang's dump includes.
+    Ray Train V2 workers start without OMP_NUM_THREADS, and the loop runs in a thread of Ray's, so
+    torch's one thread per core would oversubscribe co-located workers. Fault injection passes.
+    On GPU the allocator's and NCCL's settings (gpu_env): Ray Train starts CUDA before the loop.
     """
     passed = {name: os.environ[name] for name in faults.ENV_VARS if name in os.environ}
     if config.cluster.use_gpu:
-        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), **passed}
+        return {**gpu_env(), **passed}
     threads = str(max(1, int(config.cluster.cpus_per_worker)))
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **passed}
 

@@ -31,11 +31,14 @@ TRAIN_METRICS = (
     "tokens_per_s_per_worker",
     "flops_per_s",
     "mfu",
+    "mfu_measured",
     "step_time_s",
     "data_wait_frac",
     "data_wait_max_frac",
     "data_wait_max_rank",
     "peak_memory_bytes",
+    "peak_reserved_bytes",
+    "alloc_retries",
     "world_size",
     "restarts",
     "skipped_shards",
@@ -67,6 +70,15 @@ class RestartTiming:
 
 
 DROP_WORDS = {"not_text": "no string", "empty": "empty", "too_long": "too long"}
+
+
+def mfu_basis(event: events.Start) -> str:
+    """What the progress line's MFU divides by, said once per attempt: achieved FLOP/s, counted as
+    rayllm.model.flops_per_token does (6 per matmul weight + 12 x layers x dim x seq, the full
+    attention square), over the peak."""
+    per_rank = (event.published_peak_flops or event.peak_flops) / event.world_size / 1e12
+    what = "published dense bf16 peak" if event.published_peak_flops else "matmul peak measured at the start"
+    return f"against the {what}, {per_rank:,.3g} TFLOP/s per worker; FLOPs per token 6N + 12LdT"
 
 
 def dropped_text(counts: dict[str, int]) -> str:
@@ -137,7 +149,8 @@ class RunMonitor:
     def _on_start(self, event: events.Start, record: dict[str, Any]) -> None:
         step = event.step
         self._attempt_began = (step, self._last_record_at)
-        if self.world_size is not None and event.world_size != self.world_size:
+        first = self.world_size is None
+        if not first and event.world_size != self.world_size:
             self.handle(events.Resize(step=step, from_workers=self.world_size, to_workers=event.world_size))
         self.world_size = event.world_size
         self.nodes = list(event.nodes or [])
@@ -148,6 +161,7 @@ class RunMonitor:
                 "num_params": event.params,
                 "flops_per_token": event.flops_per_token,
                 "peak_flops": event.peak_flops,
+                "published_peak_flops": event.published_peak_flops,
             }
         )
         verb = "resuming at step" if step else "starting at step"
@@ -157,6 +171,8 @@ class RunMonitor:
             f"{event.params / 1e6:.1f}M parameters, {event.accum_steps} micro-batch(es) per worker "
             f"per step"
         )
+        if first:
+            self.say(f"[rayllm] MFU is {mfu_basis(event)}")
 
     def _on_resize(self, event: events.Resize, record: dict[str, Any]) -> None:
         self.say(
@@ -209,7 +225,8 @@ class RunMonitor:
 
     def _on_train(self, event: events.Train, record: dict[str, Any]) -> None:
         step = event.step
-        self.tracker.log_metrics({k: record[k] for k in TRAIN_METRICS if k in record}, step, "train")
+        tracked = {k: record[k] for k in TRAIN_METRICS if record.get(k) is not None}  # None: not on this device
+        self.tracker.log_metrics(tracked, step, "train")
         self.mixture = event.mixture or {}
         if len(self.mixture) > 1:
             for source, share in self.mixture.items():

@@ -18,7 +18,7 @@ from rayllm.data.stream.protocol import RESTART, DataStreamLost
 from rayllm.data.stream.relay import served_batches, slices_per_object
 from rayllm.errors import RayllmError
 from rayllm.loop.trainer import Trainer
-from rayllm.parallel.planner import model_shape
+from rayllm.parallel.shape_counts import model_shape
 from rayllm.runtime.control import failure_record
 from rayllm.runtime.interruption import node_settings
 from rayllm.runtime.signals import WORKER

@@ -28,8 +28,10 @@ from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
 from rayllm.errors import RayllmError
 from rayllm.io.storage import is_remote
 from rayllm.loop.data_resume import check_resume_data
-from rayllm.loop.trainer import Trainer, import_init_weights
-from rayllm.parallel.process_group import init_group, local_device
+from rayllm.loop.setup import import_init_weights
+from rayllm.loop.trainer import Trainer
+from rayllm.loop.watchdog import SLOW_PHASE_S
+from rayllm.parallel.process_group import init_group, local_device, long_barrier
 from rayllm.runtime.monitor import RunMonitor
 from rayllm.runtime.signals import StopSignals
 
@@ -100,11 +102,12 @@ def run(config: TrainConfig, quiet: bool = False) -> dict[str, Any]:
     lease = None
     try:
         lease = _take_run_dir(config, rank)
+        rank0_done = long_barrier(SLOW_PHASE_S, "rank 0 to prepare the data and model.init_from")
         if rank == 0:
             log = (lambda *_: None) if quiet else print
             plans = prepare_data(config, log=log)
             import_init_weights(config, log)
-        dist.barrier()
+        rank0_done()
         if rank != 0:
             plans = prepare_data(config, log=lambda *_: None)
         # Every process checks the data against the checkpoint (and raises alike); rank 0 says so.

@@ -36,10 +36,14 @@ MICRO_BATCHES, MICRO = 4, 1  # of 8 tokens: the gradients are the point, not the
 
 def gradient_bytes(model: torch.nn.Module) -> int:
     total = sum(p.grad.to_local().nbytes for p in model.parameters() if p.grad is not None)
+    groups = {}  # one FSDP unit may span several modules (the final norm with the head): count it once
     for module in model.modules():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
         group = state._fsdp_param_group if state is not None else None
-        for fsdp_param in group.fsdp_params if group is not None else []:
+        if group is not None:
+            groups[id(group)] = group
+    for group in groups.values():
+        for fsdp_param in group.fsdp_params:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             for grad in (fsdp_param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
                 total += grad.nbytes if grad is not None else 0

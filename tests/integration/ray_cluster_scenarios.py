@@ -266,7 +266,7 @@ def scenario_init_from(overrides, root):
     from rayllm.config.resolve import resolve
     from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
-    from rayllm.loop.trainer import model_args
+    from rayllm.loop.setup import model_args
     from rayllm.model import Llama
 
     run_dir, folder = f"{root}/init_from", f"{root}/hf"

@@ -75,7 +75,7 @@ def test_init_from_a_folder_on_s3_gives_its_loss_at_the_first_step(s3_server, bu
     from rayllm.config.resolve import resolve
     from rayllm.data.discover import prepare_data
     from rayllm.data.order import local_stream
-    from rayllm.loop.trainer import model_args
+    from rayllm.loop.setup import model_args
     from rayllm.model import Llama
 
     storage = [

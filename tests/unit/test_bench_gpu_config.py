@@ -5,8 +5,13 @@ tests/integration/test_bench_gpu.py)."""
 import subprocess
 import sys
 
-from rayllm.bench.gpu import bench_config, planner_gpu, published_peak
+import torch
+
+from rayllm.bench.gpu import bench_config, planner_gpu
 from rayllm.config import TrainConfig
+from rayllm.parallel.gpus import published_peak_flops
+
+BF16 = torch.bfloat16
 
 
 def test_importing_the_gpu_bench_imports_no_ray():
@@ -24,9 +29,10 @@ def test_full_mode_trains_the_one_gpu_config_shape():
 
 
 def test_published_peaks_and_planner_keys_by_device_name():
-    assert published_peak("NVIDIA H100 80GB HBM3") == published_peak("NVIDIA H200") == 989e12
-    assert published_peak("NVIDIA H100 PCIe") is None and published_peak("NVIDIA A100-SXM4-80GB") == 312e12
-    assert published_peak("Tesla T4") is None and published_peak(None) is None
+    assert published_peak_flops("NVIDIA H100 80GB HBM3", BF16) == published_peak_flops("NVIDIA H200", BF16) == 989e12
+    assert published_peak_flops("NVIDIA H100 PCIe", BF16) is None
+    assert published_peak_flops("NVIDIA A100-SXM4-80GB", BF16) == 312e12
+    assert published_peak_flops("Tesla T4", BF16) is None and published_peak_flops(None, BF16) is None
     assert planner_gpu("NVIDIA H100 80GB HBM3") == "h100-80gb" and planner_gpu("NVIDIA H200") == "h200"
     assert planner_gpu("NVIDIA A100-SXM4-80GB") == "a100-80gb" and planner_gpu("NVIDIA A100-SXM4-40GB") is None
     assert planner_gpu("NVIDIA L40S") == "l40s" and planner_gpu("NVIDIA GH200 480GB") is None

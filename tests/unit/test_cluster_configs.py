@@ -20,7 +20,7 @@ from helpers import REPO
 
 from rayllm import TrainConfig
 from rayllm.autoscaler import spot_first
-from rayllm.loop.trainer import model_args
+from rayllm.loop.setup import model_args
 from rayllm.model import Llama, num_params
 from rayllm.parallel.layout import resolve_layout, usable_world_sizes
 

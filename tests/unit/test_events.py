@@ -15,20 +15,23 @@ import pytest
 import torch
 
 from rayllm import TrainConfig, events
-from rayllm.loop.metrics import MetricWindow
+from rayllm.loop.metrics import MetricWindow, PeakFlops
 from rayllm.runtime.monitor import RunMonitor
 
 # MetricWindow.summary's keys, in its order (loop/metrics.py): every train record has them.
 TRAIN_KEYS = [
     *("step", "loss", "perplexity", "lr", "grad_norm", "tokens", "tokens_per_s", "tokens_per_s_per_worker"),
-    *("flops_per_s", "mfu", "step_time_s", "data_wait_frac", "data_wait_max_frac", "data_wait_max_rank"),
-    *("rank_own_step_s", "rank_data_wait_s", "rank_collective_wait_s", "peak_memory_bytes", "world_size"),
+    *("flops_per_s", "mfu", "mfu_measured", "step_time_s", "data_wait_frac", "data_wait_max_frac"),
+    "data_wait_max_rank",
+    *("rank_own_step_s", "rank_data_wait_s", "rank_collective_wait_s", "peak_memory_bytes", "peak_reserved_bytes"),
+    *("alloc_retries", "world_size"),
     *("restarts", "skipped_shards"),
 ]
 # Each kind's keys after "kind", as its emitter wrote them before events were typed.
 KEYS = {
     "start": [
-        *("step", "world_size", "params", "flops_per_token", "peak_flops", "restarts", "resumed_from"),
+        *("step", "world_size", "params", "flops_per_token", "peak_flops", "published_peak_flops", "restarts"),
+        "resumed_from",
         *("accum_steps", "layout", "nodes"),
     ],  # trainer.py
     "train": [*TRAIN_KEYS, "mixture"],  # trainer.py: **metrics (val_loss too, once validated), mixture
@@ -50,13 +53,15 @@ KEYS = {
     "resize": ["step", "from", "to"],  # monitor.py
 }
 TRAIN = dict(
-    zip(TRAIN_KEYS, [20, 4.5, 90.0, 1e-3, 0.75, 40960, 2048.0, 1024.0, 1e9, 0.25, 0.5, 0.1, 0.2, 1], strict=False)
+    zip(TRAIN_KEYS, [20, 4.5, 90.0, 1e-3, 0.75, 40960, 2048.0, 1024.0, 1e9, 0.25, 0.2, 0.5, 0.1, 0.2, 1], strict=False)
 )
 TRAIN.update(
     rank_own_step_s=[0.4, 0.41],
     rank_data_wait_s=[0.05, 0.1],
     rank_collective_wait_s=[0.05, 0.0],
     peak_memory_bytes=2**30,
+    peak_reserved_bytes=None,
+    alloc_retries=None,
     world_size=2,
     restarts=1,
     skipped_shards=0,
@@ -151,7 +156,7 @@ def test_the_train_event_holds_what_the_metric_window_makes():
     config = TrainConfig.from_yaml("configs/tiny.yaml", overrides=["tracking.enabled=false"])
     sources = types.SimpleNamespace(sources=[types.SimpleNamespace(name="a"), types.SimpleNamespace(name="b")])
     session = types.SimpleNamespace(world_size=1, device=torch.device("cpu"), train_spec=sources)
-    window = MetricWindow(config, session, 1e6, 1e12, 0, np.zeros(2, dtype=np.int64))
+    window = MetricWindow(config, session, 1e6, PeakFlops(1e12), 0, np.zeros(2, dtype=np.int64))
     window.add(3.0, 1.0)
     counts = np.array([3, 1])
     metrics, mixture = window.summary(step=1, lr=1e-3, tokens=64, skipped_shards=0, counts=counts, collective_frac=0.0)
@@ -193,6 +198,7 @@ SENT = [
 STEP = "[rayllm] step {}/20 | loss 4.5000 | lr 1.00e-03 | grad 0.75 | 2,048 tok/s | MFU 25.0% | ETA {}"
 PRINTED = [
     "[rayllm] starting at step 0 on 2 worker(s), 5.0M parameters, 2 micro-batch(es) per worker per step",
+    "[rayllm] MFU is against the matmul peak measured at the start, 1 TFLOP/s per worker; FLOPs per token 6N + 12LdT",
     "[rayllm] step 0 | val loss 5.5000",
     STEP.format(10, "0m05s"),
     STEP.format(10, "0m05s"),

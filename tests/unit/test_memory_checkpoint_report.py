@@ -27,4 +27,4 @@ def test_the_driver_reports_in_memory_checkpoints_and_resumes_from_them(tmp_path
     monitor.close()
     lines = out.getvalue().splitlines()
     assert "resuming at step 4 (from the in-memory checkpoint) on 2 worker(s)" in lines[0], lines
-    assert lines[1].endswith("| in memory 1.5 MiB"), lines
+    assert lines[-1].endswith("| in memory 1.5 MiB"), lines

@@ -60,11 +60,13 @@ def test_plan_llama_8b_on_4_nodes_of_8_h100(capsys):
     assert rows["parameters"][1] == 4 * LLAMA_8B_PARAMS // shard  # 4,015,130,624 on 8, 1,003,782,656 on 32
     assert rows["gradients"][1] == 4 * LLAMA_8B_PARAMS // shard
     assert rows["optimizer"][0] == 8 * LLAMA_8B_PARAMS // shard
-    # On top of the shards: bf16 copies of 2 blocks in flight plus the embedding and head (FSDP's
-    # root, gathered for the whole step); one block's bf16 gradient and its fp32 reduce-scatter input,
-    # and the root's bf16 gradient.
-    assert rows["parameters"][0] == 4 * LLAMA_8B_PARAMS // shard + 2 * (2 * block + root)
-    assert rows["gradients"][0] == 4 * LLAMA_8B_PARAMS // shard + 6 * block + 2 * root
+    # On top of the shards: bf16 copies of 2 blocks in flight plus the final norm and head (their own
+    # FSDP unit, gathered from their forward to their backward; the embedding's unit reshards after
+    # its forward); one block's and the head's bf16 gradients and their fp32 reduce-scatter inputs.
+    head = 128256 * 4096 + 4096
+    assert root == 2 * head - 4096
+    assert rows["parameters"][0] == 4 * LLAMA_8B_PARAMS // shard + 2 * (2 * block + head)
+    assert rows["gradients"][0] == 4 * LLAMA_8B_PARAMS // shard + 6 * block + 6 * head
     total = rows["total"][0]
     assert sum(v[0] for k, v in rows.items() if k != "total") == total
     assert total < 81559 * 2**20

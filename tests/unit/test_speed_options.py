@@ -8,7 +8,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from rayllm import TrainConfig
 from rayllm.errors import ConfigError
-from rayllm.loop.trainer import build_optimizer, model_args
+from rayllm.loop.optimizer import build_optimizer
+from rayllm.loop.setup import model_args
 from rayllm.model import Llama
 from rayllm.parallel.apply import parallelize
 
