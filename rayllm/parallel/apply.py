@@ -10,7 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from rayllm.errors import ConfigError
 from rayllm.parallel.fsdp import apply_fsdp
 from rayllm.parallel.init import materialize
-from rayllm.parallel.layout import Layout, check_model_split
+from rayllm.parallel.layout import Layout, check_model_split, compiles
 from rayllm.parallel.mesh import build_mesh, dp_mesh, tp_mesh
 from rayllm.parallel.tp import apply_tp
 
@@ -23,9 +23,8 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 def should_compile(setting: bool | str, device: torch.device, tp: int = 1) -> bool:
-    """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
-    and not under tensor parallelism (see rayllm.config.checks.check_parallel)."""
-    return device.type == "cuda" and tp == 1 if setting == "auto" else bool(setting)
+    """``train.compile`` on this device (rayllm.parallel.layout.compiles)."""
+    return compiles(setting, device.type == "cuda", tp)
 
 
 def needs_fsdp(layout: Layout, dtype: torch.dtype, cpu_offload: bool) -> bool:

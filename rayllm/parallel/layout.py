@@ -166,3 +166,9 @@ def check_placement(layout: Layout, nodes: list[str]) -> None:
                     f"({', '.join(str(members.count(n)) for n in spanned)} ranks each), so its collectives would "
                     f"cross the network; give every node a multiple of {size} workers (its GPUs), or lower {key}"
                 )
+
+
+def compiles(setting: bool | str, on_gpu: bool, tp: int = 1) -> bool:
+    """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
+    and not under tensor parallelism (see rayllm.config.checks.check_parallel)."""
+    return on_gpu and tp == 1 if setting == "auto" else bool(setting)

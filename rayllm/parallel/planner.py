@@ -18,7 +18,7 @@ from functools import cache, partial
 
 from rayllm.errors import ConfigError
 from rayllm.parallel.gpus import GPUS, GpuSpec
-from rayllm.parallel.layout import Layout, check_model_split, resolve_layout
+from rayllm.parallel.layout import Layout, check_model_split, compiles, resolve_layout
 from rayllm.parallel.shape_counts import (
     Shape,
     block_bytes_per_token,
@@ -40,10 +40,15 @@ GPU_ALLOCATOR_SLACK = 0.05
 CPU_HEAP_SLACK = 0.35
 # NCCL's own buffers for each communicator a rank uses (channels x peers x NCCL_BUFFSIZE).
 NCCL_BYTES_PER_GROUP = 256 * 2**20
-ASSUMED_MFU = 0.4  # for the step-time estimate only
+ASSUMED_MFU = 0.4  # for the step-time estimate only, compiled
+# An eager step's speed against a compiled one's (train.compile "auto" is off under TP): compile
+# fuses the norms, SiLU and the loss's passes; an estimate, as ASSUMED_MFU is.
+EAGER_SPEED = 0.85
 # recommend() keeps 10% of the GPU free for what the plan does not count (compile's and attention's
 # workspaces, NCCL growing its buffers, a spike of the optimizer step).
 RECOMMEND_HEADROOM = 0.9
+# Of FSDP's traffic, the share no prefetch hides (see MemoryPlan.step_seconds).
+EXPOSED_FSDP_SHARE = 0.1
 FULL_MATMUL_TOKENS = 8192
 
 
@@ -65,6 +70,20 @@ class MemoryPlan:
     dtype: str = "fp32"
     seconds: dict[str, float] = field(default_factory=dict)  # estimated compute and communication per step
 
+    @property
+    def step_seconds(self) -> float | None:
+        """The step's estimated time: compute (recompute included) plus the communication it does
+        not hide. TP's collectives and HSDP's all-reduce sit on the critical path; FSDP's prefetched
+        all-gathers and reduce-scatters hide behind compute, but for EXPOSED_FSDP_SHARE of them
+        (each micro-batch's first all-gather and last reduce-scatter, and the links' contention
+        with the kernels), and all of what the compute is too short to cover."""
+        t = self.seconds
+        if not t:
+            return None
+        hideable = (1 - EXPOSED_FSDP_SHARE) * t["fsdp"]
+        exposed = EXPOSED_FSDP_SHARE * t["fsdp"] + max(0.0, hideable - t["compute"]) + t["tp"] + t["hsdp"]
+        return t["compute"] + exposed
+
     def summary(self) -> str:
         ac = "on" if self.activation_checkpointing else "off"
         where = f" of {_gib(self.gpu.memory_bytes)}" if self.gpu else ""
@@ -85,7 +104,8 @@ class MemoryPlan:
         if t:
             line += (
                 f"\n  at link speed: FSDP {t['fsdp']:.2f} s, HSDP {t['hsdp']:.2f} s, TP {t['tp']:.2f} s; "
-                f"compute {t['compute']:.2f} s at {ASSUMED_MFU:.0%} MFU"
+                f"compute {t['compute']:.2f} s at {t['mfu']:.0%} MFU{'' if t['mfu'] == ASSUMED_MFU else ' (eager)'}; "
+                f"step about {self.step_seconds:.2f} s"
             )
         return line
 
@@ -264,10 +284,12 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
 def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: bool, per_node: int) -> dict:
     """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its link's speed."""
     tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
-    compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * ASSUMED_MFU)
+    mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True, layout.tp) else EAGER_SPEED)
+    compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
     fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
     return {
         "compute": compute * (4 / 3 if ac else 1),
+        "mfu": mfu,
         "fsdp": (c["fsdp_all_gather"] + c["fsdp_reduce_scatter"]) / fsdp_link,
         "hsdp": c["hsdp_all_reduce"] / g.inter_node_bytes_per_s,
         "tp": c["tp_collectives"] / g.intra_node_bytes_per_s,
@@ -299,10 +321,9 @@ def candidate_layouts(config, nodes: int, gpus_per_node: int) -> list[Layout]:
 
 
 def recommend(config, *, gpu: str | GpuSpec, nodes: int, gpus_per_node: int) -> MemoryPlan:
-    """The fastest-looking plan that fits with RECOMMEND_HEADROOM to spare (else at all; else the smallest),
-    by rules of thumb in this order: no TP (its collectives are on the critical path), no activation
-    checkpointing (a third more compute), micro-batches up to FULL_MATMUL_TOKENS tokens (matmuls full),
-    HSDP across nodes (all-gathers on NVLink), the largest micro-batch that splits the global batch."""
+    """The plan with the shortest estimated step (MemoryPlan.step_seconds) that fits with
+    RECOMMEND_HEADROOM to spare (else at all; else the smallest); among equal estimates, full
+    matmuls (micro-batches of FULL_MATMUL_TOKENS tokens or more), then the least memory."""
     spec = gpu_spec(gpu)
     global_batch, seq = config.train.global_batch_size, config.data.seq_len
     plan = partial(plan_memory, config, gpu=spec, nodes=nodes, gpus_per_node=gpus_per_node)
@@ -318,8 +339,12 @@ def recommend(config, *, gpu: str | GpuSpec, nodes: int, gpus_per_node: int) -> 
         )
 
     def preference(p: MemoryPlan) -> tuple:
-        tokens = min(p.micro_batch * seq, FULL_MATMUL_TOKENS)
-        return (p.layout.tp, p.activation_checkpointing, -tokens, p.layout.dp_replicate == 1, -p.micro_batch)
+        # Within 1% the estimates are the same: the model is not finer than that.
+        return (
+            round(math.log(p.step_seconds) / math.log(1.01)),
+            -min(p.micro_batch * seq, FULL_MATMUL_TOKENS),
+            p.total_bytes,
+        )
 
     for ok in (lambda p: p.total_bytes <= RECOMMEND_HEADROOM * spec.memory_bytes, lambda p: p.fits):
         fitting = [p for p in plans if ok(p)]
