@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_gpu.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo, fp32): what CI runs")
     bench_gpu.add_argument("--out", help="write every figure to this JSON file")
     bench_gpu.add_argument("--nproc-per-node", type=int, default=1, help="ranks; more than 1 runs under torchrun")
+    bench_gpu.add_argument("--check", action="store_true", help="one GPU: each GPU-only item PASS or FAIL (< 8 min)")
     bench_serve = bench_sub.add_parser("serve", help="serving slices to 1..1024 simulated ranks, new vs old design")
     bench_serve.add_argument("--ranks", default="1,8,64,256,1024", help="rank counts, comma-separated")
     bench_serve.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
@@ -302,6 +303,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _bench_gpu(args: argparse.Namespace) -> int:
     from rayllm.bench import gpu as bench_gpu
 
+    if args.check:
+        from rayllm.bench import gpu_check
+
+        if args.nproc_per_node != 1:
+            raise RayllmError("rayllm bench gpu --check runs on one GPU: leave --nproc-per-node out")
+        return gpu_check.main((["--tiny"] if args.tiny else []) + (["--out", args.out] if args.out else []))
     return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
 
 

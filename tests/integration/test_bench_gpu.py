@@ -54,3 +54,17 @@ def test_rayllm_bench_gpu_runs_it_in_process_without_torchrun(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _check_step(json.loads(out.read_text()), 1)
+
+
+def test_the_prepared_gpu_check_runs_its_cpu_mode_with_every_item_named(tmp_path):
+    """``rayllm bench gpu --check --tiny``: the GPU check's code on CPU; what a CPU can judge passes
+    (the RoPE dtypes, bf16 against fp32, the meshes), the GPU-only items read n/a."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, "-m", "rayllm.cli", "bench", "gpu", "--check", "--tiny", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    verdicts = {v["name"]: v["status"] for v in json.loads(out.read_text())["verdicts"]}
+    assert verdicts["RoPE tables reach the blocks in fp32"] == "PASS"
+    assert verdicts["bf16 loss within 2% of fp32"] == "PASS" and verdicts["every mesh's steps"] == "PASS"
+    assert verdicts["compile and FSDP on NCCL"] == "n/a" and verdicts["MFU, 1B preset"] == "n/a"
+    assert "[rayllm bench gpu --check]" in proc.stdout

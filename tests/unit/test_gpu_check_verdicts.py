@@ -1,0 +1,63 @@
+"""The prepared GPU check's verdicts from its figures (rayllm.bench.gpu_check.judge): a GPU run that
+meets each goal passes, one that misses it fails by name, and on CPU the GPU-only items read n/a."""
+
+from __future__ import annotations
+
+import copy
+
+from rayllm.bench.gpu_check import judge
+
+BENCH = {
+    "backend": "nccl",
+    "step": {
+        "compile": True,
+        "layout": "1 rank",
+        "flash_attention": True,
+        "mfu": {"published": 0.52},
+        "memory": {"planner": {"measured_over_planned": 0.93}},
+    },
+    "mesh_smoke": {"fsdp": {"status": "ok"}, "hsdp": {"status": "ok"}},
+}
+OWN = {
+    "rope_dtypes": ["bfloat16", "float32", "float32"],
+    "bf16_vs_fp32": {"bf16": [10.4, 9.9, 9.5], "fp32": [10.39, 9.91, 9.49]},
+    "slice_8b": {"memory": {"planner": {"measured_over_planned": 1.08}}},
+}
+
+
+def statuses(bench=BENCH, own=OWN, on_gpu=True) -> dict[str, str]:
+    return {v.name: v.status for v in judge(bench, own, on_gpu)}
+
+
+def test_a_gpu_run_that_meets_every_goal_passes_every_item():
+    assert set(statuses().values()) == {"PASS"}, statuses()
+
+
+def test_each_miss_fails_its_own_item():
+    bench, own = copy.deepcopy(BENCH), copy.deepcopy(OWN)
+    bench["step"]["mfu"]["published"] = 0.41
+    own["rope_dtypes"] = ["bfloat16", "bfloat16", "bfloat16"]  # the defect issue 29 found
+    own["slice_8b"]["memory"]["planner"]["measured_over_planned"] = 1.3
+    own["bf16_vs_fp32"]["bf16"][2] = 12.0
+    failed = sorted(k for k, v in statuses(bench, own).items() if v == "FAIL")
+    assert failed == [
+        "MFU, 1B preset",
+        "RoPE tables reach the blocks in fp32",
+        "bf16 loss within 2% of fp32",
+        "planner within 15%: 8B slice",
+    ]
+
+
+def test_a_failed_step_and_a_failed_mesh_are_named():
+    bench = copy.deepcopy(BENCH)
+    bench["step"] = {"error": "OutOfMemoryError: CUDA out of memory"}
+    bench["mesh_smoke"]["hsdp"]["status"] = "failed: boom"
+    verdicts = {v.name: v for v in judge(bench, OWN, True)}
+    assert verdicts["compile and FSDP on NCCL"].figure == "OutOfMemoryError: CUDA out of memory"
+    assert verdicts["every mesh's steps"].status == "FAIL" and verdicts["every mesh's steps"].figure == "hsdp"
+
+
+def test_on_cpu_the_gpu_only_items_read_na():
+    cpu = statuses(on_gpu=False)
+    assert cpu["compile and FSDP on NCCL"] == cpu["MFU, 1B preset"] == cpu["flash attention kernel"] == "n/a"
+    assert cpu["RoPE tables reach the blocks in fp32"] == "PASS"
