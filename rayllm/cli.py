@@ -72,13 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_goodput.add_argument("--seed", type=int, default=0, help="seed of the fault mix")
     bench_goodput.add_argument("--hang-timeout-s", type=float, default=15.0, help="train.hang_timeout_s of both runs")
     bench_goodput.add_argument("--faults", help="comma-separated kinds to draw from (default: the whole mix)")
-    bench_goodput.add_argument(
-        "--storage",
-        choices=("s3", "local"),
-        default="s3",
-        help="s3: shards, checkpoints and records in a bucket of moto's S3 server on 127.0.0.1 (needs moto[server]), "
-        "which the storage fault takes off the network; local: on disk, no storage fault",
-    )
+    storage_help = "s3: shards, checkpoints and records in a bucket of moto's S3 server on 127.0.0.1 (needs "
+    storage_help += "moto[server]), which the storage fault takes off the network; local: on disk, no storage fault"
+    bench_goodput.add_argument("--storage", choices=("s3", "local"), default="s3", help=storage_help)
     bench_goodput.add_argument("--outage-s", type=float, default=20.0, help="how long a storage outage lasts")
     add_speed_arguments(bench_sub.add_parser("speed", help=SPEED_HELP))
     bench_gpu = bench_sub.add_parser("gpu", help="~1B Llama on one GPU: tokens/s, MFU, memory, mesh smoke (no Ray)")
@@ -301,15 +297,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    from rayllm.bench import gpu as bench_gpu
+    from rayllm.bench.gpu import launch
 
-    if args.check:
-        from rayllm.bench import gpu_check
-
-        if args.nproc_per_node != 1:
-            raise RayllmError("rayllm bench gpu --check runs on one GPU: leave --nproc-per-node out")
-        return gpu_check.main((["--tiny"] if args.tiny else []) + (["--out", args.out] if args.out else []))
-    return bench_gpu.launch(args.tiny, args.out, args.nproc_per_node)
+    return launch(args.tiny, args.out, args.nproc_per_node, check=args.check)
 
 
 def _use_model(args: argparse.Namespace) -> int:
