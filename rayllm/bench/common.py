@@ -4,6 +4,7 @@ timed steps of the product's own ``Trainer``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -64,6 +65,16 @@ def bench_device(config: TrainConfig, rank: int = 0) -> torch.device:
     """Rank ``rank``'s device in a one-machine bench (made current on a GPU)."""
     local = rank % max(torch.cuda.device_count(), 1) if config.cluster.use_gpu else None
     return local_device(config.cluster.use_gpu, local)
+
+
+def release_models(device: torch.device) -> None:
+    """Free what models built in this process held, before processes of their own start on the
+    same GPU: compiled blocks' guards keep their modules alive until dynamo's caches go, and
+    the caching allocator keeps freed blocks reserved for this process until emptied."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:

@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -42,6 +43,7 @@ from rayllm.bench.common import (
     bench_trainer,
     cpu_name,
     flash_attention_fits,
+    release_models,
     sync,
     synthetic_rows,
     timed_steps,
@@ -247,16 +249,22 @@ def run(
     steps: int = 4,
     workers: list[int] | None = None,
     memory_steps: int = 3,
+    on_part: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> dict[str, Any]:
+    """The comparison in this process, then the processes of their own; ``on_part`` gets the
+    result so far after each part (a GPU's time is scarce: a later part's failure keeps it)."""
     started = time.perf_counter()
     result: dict[str, Any] = {"config": config.run.name}
     result["step"] = step_comparison(config, rounds, steps)
+    release_models(bench_device(config))  # the two models' memory, before the ranks' processes start
+    on_part(result)
     if not config.cluster.use_gpu and workers:
         threads = max(1, (os.cpu_count() or 1) // max(workers))
         result["workers"] = {
             "threads_per_worker": threads,
             "tokens_per_s": tokens_per_s_by_workers(config, workers, threads, steps),
         }
+        on_part(result)
     if memory_steps:
         result["memory"] = memory_by_variant(config, memory_steps)
     result["seconds"] = time.perf_counter() - started
@@ -311,7 +319,10 @@ def write_json(result: dict[str, Any], path: str) -> None:
 def report(config: TrainConfig, args: argparse.Namespace) -> None:
     """Run as the command line asks, print the figures and write them as JSON when asked."""
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
-    result = run(config, rounds=args.rounds, steps=args.steps, workers=workers, memory_steps=args.memory_steps)
+    on_part = (lambda part: write_json(part, args.json)) if args.json else (lambda _: None)
+    result = run(
+        config, rounds=args.rounds, steps=args.steps, workers=workers, memory_steps=args.memory_steps, on_part=on_part
+    )
     print(format_result(result))
     if args.json:
         write_json(result, args.json)

@@ -33,3 +33,24 @@ def test_checkpoint_keys_do_not_depend_on_checkpointing_or_compile():
         keys.append((sorted(model_sd), sorted(optim_sd["state"])))
     assert keys[0] == keys[1]
     assert "layers.0.attention.wq.weight" in keys[0][0]
+
+
+def test_bench_speed_leaves_no_model_in_its_process_before_the_ranks_start(tmp_path):
+    """On one GPU the ranks' processes share the device with the bench's own: the comparison's two
+    models must be gone from it by then, and the figures so far written (on_part)."""
+    import gc
+
+    from rayllm.bench.speed import run
+
+    parts = []
+    config = _config(
+        "model.n_layers=1",
+        "data.seq_len=32",
+        "train.global_batch_size=2",
+        "cluster.num_workers=1",
+        "train.compile=true",
+    )
+    run(config, rounds=1, steps=1, workers=[], memory_steps=0, on_part=lambda part: parts.append(dict(part)))
+    assert [list(p) for p in parts] == [["config", "step"]]
+    alive = [o for o in gc.get_objects() if type(o) is Llama]  # type(): weak proxies raise on isinstance
+    assert alive == [], f"{len(alive)} models still alive"
