@@ -45,7 +45,8 @@ def committed_ids(s3, bucket: str, prefix: str) -> list[tuple]:
 def arm_outages(proxy: FaultProxy, s3, bucket: str, outage_s: float) -> threading.Thread:
     """Two outages of ``outage_s``: one from the data stream's first read of a shard (armed once the
     driver's own look at the data is done: config.yaml is written), one from the first request of
-    the checkpoint of step 6, mid-run; moto is watched directly, not through the proxy."""
+    the checkpoint of step 6, mid-run (armed once the first has happened); moto is watched
+    directly, not through the proxy."""
 
     def wait_for(key: str, deadline: float) -> bool:
         while time.time() < deadline:
@@ -60,8 +61,9 @@ def arm_outages(proxy: FaultProxy, s3, bucket: str, outage_s: float) -> threadin
         deadline = time.time() + 600
         if wait_for("run/config.yaml", deadline):
             proxy.cut_at(b"/small/part-", outage_s)
-        if wait_for("run/checkpoint_00000004/rayllm_commit.json", deadline):
-            proxy.cut_at(b"/run/checkpoint_00000006/", outage_s)
+        while proxy.cuts < 1 and time.time() < deadline:  # armed at once after: checkpoints come steps later,
+            time.sleep(0.05)  # and a watcher slowed by a busy machine could miss step 6's writes
+        proxy.cut_at(b"/run/checkpoint_00000006/", outage_s)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
