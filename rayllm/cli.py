@@ -297,7 +297,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    from rayllm.bench.gpu import launch
+    from rayllm.bench.gpu_check import launch
 
     return launch(args.tiny, args.out, args.nproc_per_node, check=args.check)
 

@@ -359,19 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if losses_ok and all(m["status"] == "ok" for m in result["mesh_smoke"].values()) else 1
 
 
-def launch(tiny: bool, out: str | None, nproc: int, check: bool = False) -> int:
-    """``rayllm bench gpu``: in this process for one rank, else under torchrun; ``--check``: the
-    prepared GPU check (rayllm.bench.gpu_check), one GPU."""
+def launch(tiny: bool, out: str | None, nproc: int) -> int:
+    """``rayllm bench gpu``: in this process for one rank, else under torchrun."""
     argv = (["--tiny"] if tiny else []) + (["--out", out] if out else [])
-    if check:
-        from rayllm.bench import gpu_check  # it imports this module
-
-        if nproc != 1:
-            print(
-                "rayllm: error: rayllm bench gpu --check runs on one GPU: leave --nproc-per-node out", file=sys.stderr
-            )
-            return 2
-        return gpu_check.main(argv)
     if nproc == 1:
         return main(argv)
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1"]

@@ -153,6 +153,16 @@ def format_check(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def launch(tiny: bool, out: str | None, nproc: int, check: bool) -> int:
+    """``rayllm bench gpu [--check]``: the check on one GPU, else bench gpu's own launch."""
+    if not check:
+        return gpu.launch(tiny, out, nproc)
+    if nproc != 1:
+        print("rayllm: error: rayllm bench gpu --check runs on one GPU: leave --nproc-per-node out", file=sys.stderr)
+        return 2
+    return main((["--tiny"] if tiny else []) + (["--out", out] if out else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rayllm.bench.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU (gloo): what CI runs")

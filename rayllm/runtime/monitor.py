@@ -43,6 +43,7 @@ TRAIN_METRICS = (
     "restarts",
     "skipped_shards",
 )
+CUDA_ONLY_METRICS = ("peak_reserved_bytes", "alloc_retries")  # None elsewhere, and then not tracked
 PER_RANK_METRICS = {
     "rank_own_step_s": "own_step_time_s",
     "rank_data_wait_s": "data_wait_s",
