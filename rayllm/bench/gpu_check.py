@@ -27,6 +27,7 @@ from rayllm.bench import gpu
 from rayllm.bench.common import bench_trainer, synthetic_rows
 from rayllm.config import TrainConfig
 from rayllm.errors import RayllmError
+from rayllm.loop.setup import model_args
 from rayllm.model import Llama
 from rayllm.parallel.apply import parallelize
 from rayllm.parallel.layout import Layout
@@ -53,7 +54,7 @@ def rope_dtypes(device: torch.device) -> list[str]:
     """The dtypes of (hidden state, cos, sin) reaching the first block of a bf16-policy model."""
     config = TrainConfig.from_dict({}, overrides=gpu.TINY)
     with torch.device("meta"):
-        model = Llama(gpu.model_args(config))
+        model = Llama(model_args(config))
     model = parallelize(model, dtype=torch.bfloat16, layout=Layout(), device=device)
     seen: list[str] = []
     model.layers[0].register_forward_pre_hook(lambda _m, args: seen.extend(str(a.dtype) for a in args))
