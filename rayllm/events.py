@@ -172,7 +172,8 @@ class Kept(RunEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class RunWarning(RunEvent):
-    """Rank 0's checkpoint housekeeping, when it failed (training goes on; the next commit tries again)."""
+    """What rank 0 warns of while training goes on: checkpoint housekeeping that failed (the next
+    commit tries again), a ``torch.compile`` that cannot work here (the run trains eager)."""
 
     kind: ClassVar[str] = "warning"
     message: str

@@ -268,6 +268,13 @@ def check_train(t: TrainingSettings, c: ClusterSettings) -> None:
         raise ConfigError(f"train.precision must be one of auto, fp32, bf16, got {t.precision!r}; set one of them")
     if t.compile not in ("auto", True, False):
         raise ConfigError(f"train.compile must be auto, true or false; got {t.compile!r}")
+    if t.float8 not in (True, False):
+        raise ConfigError(f"train.float8 must be true or false; got {t.float8!r}")
+    if t.float8 and not c.use_gpu:
+        raise ConfigError(
+            "train.float8 needs GPUs with float8 matmuls (H100, H200, L40S): set cluster.use_gpu: true, "
+            "or train.float8: false on CPU"
+        )
     if t.cpu_offload and not c.use_gpu:
         raise ConfigError(
             "train.cpu_offload moves GPU state to CPU memory and needs cluster.use_gpu: true; "
@@ -311,13 +318,6 @@ def check_parallel(
     p: ParallelSettings, t: TrainingSettings, m: ModelSettings, seq_len: int, worker_range: tuple[int, int]
 ) -> None:
     """The layout must fit the smallest and the largest world, and split the batch and the model."""
-    if t.compile is True and p.tp not in (1, "auto"):
-        # Seen on torch 2.13 and 2.14 (CPU): backward through a compiled tensor-parallel block hands
-        # DTensor's Redistribute a plain gradient ('Tensor' object has no attribute '_local_tensor').
-        raise ConfigError(
-            "train.compile: true with parallel.tp > 1 is not supported yet (torch.compile of tensor-parallel "
-            "blocks fails in backward on torch 2.13/2.14); set train.compile: auto (off under TP) or false"
-        )
     lo, hi = worker_range
     for n in sorted({lo, hi}):
         layout = resolve_layout(p, n)

@@ -130,6 +130,10 @@ class TrainingSettings:
     # torch.compile each transformer block. "auto": on GPU; on CPU it needs a C++ compiler and
     # pays off only on long runs (it takes seconds to minutes before the first step).
     compile: bool | str = "auto"
+    # The blocks' matmuls in float8 through torchao (pip install 'rayllm[float8]'), dynamic
+    # tensorwise scaling, FSDP all-gathers in float8: GPUs of compute capability 8.9 or newer
+    # (H100, H200, L40S) only. Weights, gradients and optimizer stay fp32; checkpoints load either way.
+    float8: bool = False
     # A step whose loss or gradient norm is NaN or infinite is skipped (no update, no checkpoint);
     # after this many in a row the run stops with its message (null: skip them all, never stop).
     max_nonfinite_steps: int | None = 3

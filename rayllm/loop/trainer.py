@@ -8,9 +8,8 @@ worker and under plain torchrun.
         global batch rows for this rank -> micro-batches: forward/backward (accumulate)
         -> clip -> lr -> optimizer step -> log / validate / checkpoint
 
-Components: MetricWindow (metrics.py), Validator (validation.py), DataLedger (ledger.py), the
-optimizer and its schedule (optimizer.py), HangWatchdog (watchdog.py), and the Checkpointer with
-its typed TrainState (rayllm.checkpoint); what the loop needs of its environment: Session (session.py).
+Components: MetricWindow (metrics.py), Validator (validation.py), DataLedger (ledger.py), the optimizer
+(optimizer.py), HangWatchdog (watchdog.py), the Checkpointer and TrainState (rayllm.checkpoint), Session.
 """
 
 from __future__ import annotations
@@ -46,14 +45,14 @@ from rayllm.loop.unread import UnreadSteps, diverged
 from rayllm.loop.validation import Validator
 from rayllm.loop.watchdog import SLOW_PHASE_S, HangWatchdog
 from rayllm.model import Llama, flops_per_token, num_params
-from rayllm.parallel.apply import compute_dtype, parallelize, should_compile
+from rayllm.parallel.apply import compute_dtype, parallelize
+from rayllm.parallel.compile_probe import agree_on_compile
 from rayllm.parallel.fsdp import accumulate
 from rayllm.parallel.gpus import published_peak_flops
 from rayllm.parallel.layout import Layout, check_placement, resolve_layout
 from rayllm.parallel.tp import loss_context
 
-# An in-memory save's deadline: the step's, or this many times the last save if longer (the first
-# save, which starts the keepers, gets a slow phase's).
+# An in-memory save's deadline: the step's, or this many times the last save if longer.
 MEMORY_SAVE_FACTOR = 10.0
 
 
@@ -82,13 +81,15 @@ class Trainer:
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
+        self.compile = agree_on_compile(t.compile, self.device)  # eager, with a warning, if it cannot work
         self.model = parallelize(
             model,
             dtype=self.dtype,
             layout=self.layout,
             activation_checkpointing=t.activation_checkpointing,
             cpu_offload=t.cpu_offload,
-            compile=should_compile(t.compile, self.device, self.layout.tp),
+            compile=self.compile.compile,
+            float8=t.float8,
             device=self.device,
             seed=t.seed,
         )
@@ -160,8 +161,7 @@ class Trainer:
     # -- steps ---------------------------------------------------------------------------
     def train_step(self, rows: np.ndarray) -> tuple[float, float]:
         """One optimizer step, read at once (benchmarks, tests): (loss, grad_norm)."""
-        loss, norm = self.step_on_device(rows).tolist()
-        return loss, norm
+        return tuple(self.step_on_device(rows).tolist())
 
     def step_on_device(self, rows: np.ndarray) -> torch.Tensor:
         """One optimizer step on this rank's rows of the global batch, with no host wait for the
@@ -282,6 +282,8 @@ class Trainer:
                 nodes=self.nodes,
             )
         )
+        if self.compile.fallback:
+            self._emit(events.RunWarning(step=self.step, message=self.compile.fallback))
         return fpt, peaks
 
     def _after_step(

@@ -8,11 +8,12 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from rayllm.errors import ConfigError
+from rayllm.parallel.float8 import check_float8, convert_blocks
 from rayllm.parallel.fsdp import apply_fsdp
 from rayllm.parallel.init import materialize
 from rayllm.parallel.layout import Layout, check_model_split, compiles
 from rayllm.parallel.mesh import build_mesh, dp_mesh, tp_mesh
-from rayllm.parallel.tp import apply_tp
+from rayllm.parallel.tp import apply_tp, settle_embedding_output
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -22,9 +23,9 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def should_compile(setting: bool | str, device: torch.device, tp: int = 1) -> bool:
+def should_compile(setting: bool | str, device: torch.device) -> bool:
     """``train.compile`` on this device (rayllm.parallel.layout.compiles)."""
-    return compiles(setting, device.type == "cuda", tp)
+    return compiles(setting, device.type == "cuda")
 
 
 def needs_fsdp(layout: Layout, dtype: torch.dtype, cpu_offload: bool) -> bool:
@@ -43,6 +44,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     cpu_offload: bool = False,
     compile: bool = False,
+    float8: bool = False,
     device: torch.device | None = None,
     seed: int = 0,
 ) -> nn.Module:
@@ -51,6 +53,7 @@ def parallelize(
     A model built on ``meta`` is materialised here, after sharding, each rank filling only its
     shards with the values a single process would start from (``seed``): no rank ever holds the
     whole model. A model with real weights keeps them (TP and FSDP split what is there).
+    ``float8``: the blocks' matmuls in float8 (rayllm.parallel.float8), emulated off a GPU.
     """
     layout = layout or Layout()
     device = device or torch.device("cpu")
@@ -71,8 +74,11 @@ def parallelize(
     on_meta = model.rope_cos.is_meta
     fsdp = needs_fsdp(layout, dtype, cpu_offload)
     mesh = build_mesh(layout, device.type) if fsdp or layout.tp > 1 else None
+    if float8:
+        check_float8(device)
+        convert_blocks(model, all_gather_float8=fsdp and layout.dp_shard > 1, emulate=device.type != "cuda")
     if layout.tp > 1:
-        apply_tp(model, tp_mesh(mesh))
+        apply_tp(model, tp_mesh(mesh), float8=float8)
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile, tp=layout.tp)
     if fsdp:
         apply_fsdp(model, dp_mesh(mesh, layout), dtype=dtype, cpu_offload=cpu_offload)
@@ -89,13 +95,22 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bo
     loss too."""
     layers = model.layers
     for i, block in enumerate(layers):
-        if activation_checkpointing:
+        if activation_checkpointing and compile and tp > 1:
+            # Compiling a checkpointed TP block fails (torch 2.13: AOTAutograd saves the DTensor's
+            # DeviceMesh among the tensors), so the compiled block is checkpointed instead: compiled
+            # in place (its parameter names keep no "_orig_mod"), FSDP's hooks on the wrapper.
+            block.compile(fullgraph=True)
             block = checkpoint_wrapper(block)
-        if compile:
-            # Per block, as torchtitan does: every block has the same code, so one compiled
-            # graph serves all of them, and FSDP's hooks stay outside the compiled region.
-            block = torch.compile(block, fullgraph=True)
+        else:
+            if activation_checkpointing:
+                block = checkpoint_wrapper(block)
+            if compile:
+                # Per block, as torchtitan does: every block has the same code, so one compiled
+                # graph serves all of them, and FSDP's hooks stay outside the compiled region.
+                block = torch.compile(block, fullgraph=True)
         layers[i] = block
+    if compile and tp > 1:
+        settle_embedding_output(model)
     if compile and tp == 1:
         # The loss alone (the norm and head modules carry FSDP hooks, see Llama.forward): the
         # fp32 upcast fuses into the log-softmax over the (B, T, vocab) logits. (Under TP the

@@ -168,7 +168,7 @@ def check_placement(layout: Layout, nodes: list[str]) -> None:
                 )
 
 
-def compiles(setting: bool | str, on_gpu: bool, tp: int = 1) -> bool:
+def compiles(setting: bool | str, on_gpu: bool) -> bool:
     """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
-    and not under tensor parallelism (see rayllm.config.checks.check_parallel)."""
-    return on_gpu and tp == 1 if setting == "auto" else bool(setting)
+    under tensor parallelism too (rayllm.parallel.tp.settle_embedding_output)."""
+    return on_gpu if setting == "auto" else bool(setting)

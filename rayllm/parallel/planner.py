@@ -284,7 +284,7 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
 def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: bool, per_node: int) -> dict:
     """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its link's speed."""
     tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
-    mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True, layout.tp) else EAGER_SPEED)
+    mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True) else EAGER_SPEED)
     compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
     fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
     return {

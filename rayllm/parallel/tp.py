@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,8 +26,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split ``model`` (a rayllm Llama, still plain) over the 1-D ``mesh``, in place."""
+def apply_tp(model: nn.Module, mesh: DeviceMesh, float8: bool = False) -> None:
+    """Split ``model`` (a rayllm Llama, still plain) over the 1-D ``mesh``, in place. ``float8``:
+    the blocks' Linears are torchao's Float8Linear (rayllm.parallel.float8), whose inputs are
+    cast to float8 before they are gathered along the sequence."""
     parallelize_module(
         model,
         mesh,
@@ -36,6 +40,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         },
     )
+    colwise, rowwise, prepare_input = _block_styles(float8)
     for block in model.layers:
         parallelize_module(
             block,
@@ -43,20 +48,50 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
             {
                 "attention_norm": SequenceParallel(),
                 # (x, cos, sin, kv): the normed x is gathered along the sequence; the rest is plain.
-                "attention": PrepareModuleInput(
+                "attention": prepare_input(
                     input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
                 ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "attention.wq": colwise(),
+                "attention.wk": colwise(),
+                "attention.wv": colwise(),
+                "attention.wo": rowwise(output_layouts=Shard(1)),
                 "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward": prepare_input(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise(),
+                "feed_forward.w3": colwise(),
+                "feed_forward.w2": rowwise(output_layouts=Shard(1)),
             },
         )
+
+
+def _block_styles(float8: bool) -> tuple[type, type, type]:
+    """(column-wise, row-wise, input-preparing) styles for a block's Linears: torchao's float8 ones
+    for Float8Linear (tensorwise scaling), else torch's."""
+    if not float8:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def settle_embedding_output(model: nn.Module) -> None:
+    """Hand the first block a plain tensor, not the embedding's pending reduce-scatter.
+
+    The embedding's output reaches block 0 as an ``AsyncCollectiveTensor`` (RowwiseParallel's
+    asynchronous redistribute). A compiled block then returns that input's gradient as a plain
+    tensor to DTensor's Redistribute backward, which fails ('Tensor' object has no attribute
+    '_local_tensor'; torch 2.13). Copying the (B, T/tp, dim) shard waits for the collective
+    inside autograd, so the gradient still flows to the embedding; ``.wait()`` would cut it off.
+    """
+
+    def settled(_module: nn.Module, _inputs: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+
+    model.tok_embeddings.register_forward_hook(settled)
 
 
 def is_tensor_parallel(model: nn.Module) -> bool:

@@ -52,7 +52,6 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         (["parallel.tp=2", "model.tie_embeddings=true"], "tie_embeddings is not supported"),
         (["parallel.dp_shard=3", "cluster.num_workers=4"], "does not lay out 4 ranks"),
         (["parallel.tp=0"], "parallel.tp must be a whole number >= 1 or auto"),
-        (["parallel.tp=2", "train.compile=true"], "train.compile: true with parallel.tp > 1 is not supported"),
         (
             ["parallel.tp=2", "cluster.num_workers=4", "train.global_batch_size=6", "train.micro_batch_size=2"],
             "data-parallel ranks",

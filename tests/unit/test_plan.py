@@ -106,26 +106,35 @@ def test_recommend_takes_the_shortest_estimated_step_and_the_presets_are_what_it
                 )
                 if other.total_bytes <= RECOMMEND_HEADROOM * other.gpu.memory_bytes:
                     assert best.step_seconds <= other.step_seconds * 1.01, (other.summary(), other.step_seconds)
-    # The 70B preset's old layout, TP 8 x FSDP 8 with 64 accumulation steps, is estimated slower.
+    # The 70B preset's earlier layouts are estimated slower: TP 8 x FSDP 8 with 64 accumulation
+    # steps, then FSDP over all 64 GPUs with 8.
     tp8 = plan_memory(_llama_70b(8), gpu="h100-80gb", nodes=8, gpus_per_node=8)
     fsdp = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=8, gpus_per_node=8)
-    assert fsdp.step_seconds < tp8.step_seconds
-    assert tp8.accum == 64 and fsdp.accum == 8
+    preset = plan_memory(TrainConfig.from_yaml("configs/llama-70b.yaml"), gpu="h100-80gb", nodes=8, gpus_per_node=8)
+    assert preset.step_seconds < fsdp.step_seconds < tp8.step_seconds
+    assert tp8.accum == 64 and fsdp.accum == 8 and (preset.layout.tp, preset.accum) == (2, 8)
 
 
 def test_the_step_estimate_hides_fsdp_behind_compute_but_not_tp():
-    plan = plan_memory(TrainConfig.from_yaml("configs/llama-70b.yaml"), gpu="h100-80gb", nodes=8, gpus_per_node=8)
+    plan = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=8, gpus_per_node=8)
     t = plan.seconds
     assert t["fsdp"] < t["compute"] and t["tp"] == 0  # hidden but for EXPOSED_FSDP_SHARE of it
     assert plan.step_seconds == pytest.approx(t["compute"] + EXPOSED_FSDP_SHARE * t["fsdp"])
     tp8 = plan_memory(_llama_70b(8), gpu="h100-80gb", nodes=8, gpus_per_node=8).seconds
-    assert tp8["mfu"] == pytest.approx(0.4 * EAGER_SPEED)  # train.compile "auto" is off under TP
+    assert tp8["mfu"] == pytest.approx(0.4)  # train.compile "auto" compiles under TP too
+    eager = _llama_70b(8)
+    eager.train.compile = False
+    assert plan_memory(eager, gpu="h100-80gb", nodes=8, gpus_per_node=8).seconds["mfu"] == pytest.approx(
+        0.4 * EAGER_SPEED
+    )
 
 
-def _llama_70b(tp: int) -> TrainConfig:
+def _llama_70b(tp: int, micro: int = 1) -> TrainConfig:
+    """The 70B preset with ``tp`` and a micro-batch of ``micro`` (the earlier presets' 1)."""
+    layout = [f"parallel.tp={tp}", f"train.micro_batch_size={micro}"]
     if os.path.exists("configs/llama-70b.yaml"):
-        return TrainConfig.from_yaml("configs/llama-70b.yaml", [f"parallel.tp={tp}"])
-    return TrainConfig.from_yaml("configs/llama-8b.yaml", [*LLAMA_70B_SHAPE, f"parallel.tp={tp}"])
+        return TrainConfig.from_yaml("configs/llama-70b.yaml", layout)
+    return TrainConfig.from_yaml("configs/llama-8b.yaml", [*LLAMA_70B_SHAPE, *layout])
 
 
 def test_plan_llama_70b_needs_tensor_parallelism():
