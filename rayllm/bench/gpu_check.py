@@ -9,7 +9,7 @@ planner, every mesh's smoke steps), then three checks of its own on the same GPU
 what reaches a block under the bf16 policy (the RoPE tables must stay fp32), the loss of bf16
 training against fp32 over the first steps from the same weights, and the planner against the
 allocator's peak for a slice of Llama 3.1 8B (its width, vocabulary and 8,192-token sequences,
-two layers). On CPU the GPU-only verdicts read "n/a": the code paths run, the numbers do not count.
+two layers), and that slice's step with train.float8 against bf16. On CPU the GPU-only verdicts read "n/a": the code paths run, the numbers do not count.
 """
 
 from __future__ import annotations
@@ -76,12 +76,13 @@ def bf16_against_fp32(device: torch.device, tiny: bool) -> dict[str, list[float]
     return losses
 
 
-def slice_config(tiny: bool) -> TrainConfig:
+def slice_config(tiny: bool, float8: bool = False) -> TrainConfig:
     run = [
         "cluster.num_workers=1",
         "train.precision=auto",
         "train.compile=auto",
         "train.activation_checkpointing=false",
+        f"train.float8={str(float8).lower()}",
     ]
     shape = gpu.TINY + ["train.global_batch_size=2"] if tiny else SLICE_8B
     return TrainConfig.from_dict({}, overrides=[*shape, *run, f"cluster.use_gpu={str(not tiny).lower()}"])
@@ -117,10 +118,26 @@ def judge(bench: dict[str, Any], own: dict[str, Any], on_gpu: bool) -> list[Verd
     ok = len(gaps) == BF16_STEPS and max(gaps) <= BF16_LOSS_TOLERANCE
     gap = f"largest relative gap {max(gaps):.2e} over {len(gaps)} steps" if gaps else "did not run"
     verdicts.append(Verdict(f"bf16 loss within {BF16_LOSS_TOLERANCE:.0%} of fp32", "PASS" if ok else "FAIL", gap))
+    verdicts.append(float8_verdict(own.get("slice_8b", {}), own.get("slice_8b_float8", {}), on_gpu))
     smoke = bench.get("mesh_smoke", {})
     bad = [name for name, m in smoke.items() if m["status"] != "ok"]
     verdicts.append(Verdict("every mesh's steps", "PASS" if smoke and not bad else "FAIL", ", ".join(bad) or "ok"))
     return verdicts
+
+
+def float8_verdict(bf16: dict[str, Any], float8: dict[str, Any], on_gpu: bool) -> Verdict:
+    """train.float8 on the 8B slice: it runs, and its losses stay within the bf16 tolerance of the
+    bf16 slice's on the same batch; the speed ratio is reported (the slice's bf16 head and loss,
+    a third of its FLOPs, bound what float8 gains there)."""
+    name = f"float8 on the 8B slice, loss within {BF16_LOSS_TOLERANCE:.0%} of bf16"
+    if not on_gpu:
+        return Verdict(name, "n/a", "GPU only")
+    if "error" in float8 or "error" in bf16:
+        return Verdict(name, "FAIL", float8.get("error") or bf16.get("error"))
+    gaps = [abs(a - b) / abs(b) for a, b in zip(float8["losses"], bf16["losses"], strict=False)]
+    speed = float8["tokens_per_s"] / bf16["tokens_per_s"]
+    ok = bool(gaps) and max(gaps) <= BF16_LOSS_TOLERANCE
+    return Verdict(name, "PASS" if ok else "FAIL", f"largest gap {max(gaps):.2e}; x{speed:.2f} the bf16 tokens/s")
 
 
 def run_check(tiny: bool) -> dict[str, Any]:
@@ -135,6 +152,7 @@ def run_check(tiny: bool) -> dict[str, Any]:
             ("rope_dtypes", lambda: rope_dtypes(device)),
             ("bf16_vs_fp32", lambda: bf16_against_fp32(device, tiny)),
             ("slice_8b", lambda: gpu.bench_step(slice_config(tiny), 0, 1, device, warmup=1, steps=2)),
+            ("slice_8b_float8", lambda: float8_step(tiny, device)),
         ):
             try:
                 own[name] = measure()
@@ -146,6 +164,13 @@ def run_check(tiny: bool) -> dict[str, Any]:
         dist.destroy_process_group()
     verdicts = judge(bench, own, device.type == "cuda")
     return {"bench": bench, "checks": own, "verdicts": [asdict(v) for v in verdicts]}
+
+
+def float8_step(tiny: bool, device: torch.device) -> dict[str, Any]:
+    """The 8B slice's step with train.float8 (GPU only: the config refuses it on CPU)."""
+    if tiny:
+        return {"skipped": "float8 needs a GPU"}
+    return gpu.bench_step(slice_config(tiny, float8=True), 0, 1, device, warmup=1, steps=2)
 
 
 def format_check(result: dict[str, Any]) -> str:

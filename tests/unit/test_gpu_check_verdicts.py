@@ -21,8 +21,10 @@ BENCH = {
 OWN = {
     "rope_dtypes": ["bfloat16", "float32", "float32"],
     "bf16_vs_fp32": {"bf16": [10.4, 9.9, 9.5], "fp32": [10.39, 9.91, 9.49]},
-    "slice_8b": {"memory": {"planner": {"measured_over_planned": 1.08}}},
+    "slice_8b": {"memory": {"planner": {"measured_over_planned": 1.08}}, "losses": [11.9, 11.8], "tokens_per_s": 9e4},
+    "slice_8b_float8": {"losses": [11.95, 11.82], "tokens_per_s": 1.1e5},
 }
+FLOAT8 = "float8 on the 8B slice, loss within 2% of bf16"
 
 
 def statuses(bench=BENCH, own=OWN, on_gpu=True) -> dict[str, str]:
@@ -39,11 +41,13 @@ def test_each_miss_fails_its_own_item():
     own["rope_dtypes"] = ["bfloat16", "bfloat16", "bfloat16"]  # the defect issue 29 found
     own["slice_8b"]["memory"]["planner"]["measured_over_planned"] = 1.3
     own["bf16_vs_fp32"]["bf16"][2] = 12.0
+    own["slice_8b_float8"]["losses"][1] = 12.5
     failed = sorted(k for k, v in statuses(bench, own).items() if v == "FAIL")
     assert failed == [
         "MFU, 1B preset",
         "RoPE tables reach the blocks in fp32",
         "bf16 loss within 2% of fp32",
+        FLOAT8,
         "planner within 15%: 8B slice",
     ]
 
@@ -55,9 +59,14 @@ def test_a_failed_step_and_a_failed_mesh_are_named():
     verdicts = {v.name: v for v in judge(bench, OWN, True)}
     assert verdicts["compile and FSDP on NCCL"].figure == "OutOfMemoryError: CUDA out of memory"
     assert verdicts["every mesh's steps"].status == "FAIL" and verdicts["every mesh's steps"].figure == "hsdp"
+    assert verdicts[FLOAT8].figure == "largest gap 4.20e-03; x1.22 the bf16 tokens/s"
+    own = copy.deepcopy(OWN)
+    own["slice_8b_float8"] = {"error": "ConfigError: train.float8 needs float8 matmuls"}
+    assert {v.name: v for v in judge(BENCH, own, True)}[FLOAT8].figure == own["slice_8b_float8"]["error"]
 
 
 def test_on_cpu_the_gpu_only_items_read_na():
     cpu = statuses(on_gpu=False)
     assert cpu["compile and FSDP on NCCL"] == cpu["MFU, 1B preset"] == cpu["flash attention kernel"] == "n/a"
     assert cpu["RoPE tables reach the blocks in fp32"] == "PASS"
+    assert cpu[FLOAT8] == "n/a"
