@@ -44,7 +44,7 @@ from rayllm.loop.setup import model_args
 from rayllm.loop.trainer import Trainer
 from rayllm.model import Llama, flops_per_token
 from rayllm.parallel import gpus
-from rayllm.parallel.apply import compute_dtype, should_compile
+from rayllm.parallel.apply import compute_dtype
 from rayllm.parallel.fsdp import apply_fsdp
 from rayllm.parallel.gpus import published_peak_flops
 from rayllm.parallel.init import materialize
@@ -171,7 +171,7 @@ def bench_step(config: TrainConfig, rank: int, world: int, device: torch.device,
         mfu |= {"published_causal": fpt_causal * tokens_per_s / published / world}
     t, gpu = config.train, planner_gpu(name) if cuda else None
     result = dict(layout=trainer.layout.describe(), dtype=str(trainer.dtype).removeprefix("torch."))
-    result |= dict(compile=should_compile(t.compile, device), params=trainer.n_params)
+    result |= dict(compile=trainer.compile.compile, params=trainer.n_params)  # after the probe: what ran
     result |= dict(flash_attention=flash_attention_fits(config, device, trainer.dtype))
     result["model"] = {k: getattr(args, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}
     result |= dict(seq_len=seq, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
