@@ -67,6 +67,7 @@ from rayllm.parallel.process_group import free_port, init_group
 MEMORY_VARIANTS = {
     "plain": [],
     "activation checkpointing": ["train.activation_checkpointing=true"],
+    "selective checkpointing": ["train.activation_checkpointing=selective"],
     "cpu offload": ["train.cpu_offload=true"],
 }
 

@@ -25,7 +25,7 @@ from rayllm.config.sections import (
 from rayllm.errors import ConfigError
 from rayllm.io.credentials import redact_url
 from rayllm.io.settings import StorageSettings
-from rayllm.parallel.layout import check_model_split, resolve_layout
+from rayllm.parallel.layout import check_model_split, checkpoint_mode, resolve_layout
 
 
 def check_batch_split(global_batch: int, micro_batch: int, data_ranks: int) -> int:
@@ -268,6 +268,7 @@ def check_train(t: TrainingSettings, c: ClusterSettings) -> None:
         raise ConfigError(f"train.precision must be one of auto, fp32, bf16, got {t.precision!r}; set one of them")
     if t.compile not in ("auto", True, False):
         raise ConfigError(f"train.compile must be auto, true or false; got {t.compile!r}")
+    checkpoint_mode(t.activation_checkpointing)
     if t.float8 not in (True, False):
         raise ConfigError(f"train.float8 must be true or false; got {t.float8!r}")
     if t.float8 and not c.use_gpu:
@@ -315,7 +316,11 @@ def check_cluster(c: ClusterSettings) -> None:
 
 
 def check_parallel(
-    p: ParallelSettings, t: TrainingSettings, m: ModelSettings, seq_len: int, worker_range: tuple[int, int]
+    p: ParallelSettings,
+    t: TrainingSettings,
+    m: ModelSettings,
+    seq_len: int,
+    worker_range: tuple[int, int],
 ) -> None:
     """The layout must fit the smallest and the largest world, and split the batch and the model."""
     lo, hi = worker_range

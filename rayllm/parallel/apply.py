@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from rayllm.errors import ConfigError
+from rayllm.parallel.checkpointing import checkpointed
 from rayllm.parallel.float8 import check_float8, convert_blocks
 from rayllm.parallel.fsdp import apply_fsdp
 from rayllm.parallel.init import materialize
-from rayllm.parallel.layout import Layout, check_model_split, compiles
+from rayllm.parallel.layout import Layout, check_model_split, checkpoint_mode, compiles
 from rayllm.parallel.mesh import build_mesh, dp_mesh, tp_mesh
 from rayllm.parallel.tp import apply_tp, settle_embedding_output
 
@@ -41,7 +41,7 @@ def parallelize(
     *,
     dtype: torch.dtype,
     layout: Layout | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | str = False,
     cpu_offload: bool = False,
     compile: bool = False,
     float8: bool = False,
@@ -90,20 +90,22 @@ def parallelize(
     return model
 
 
-def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool, compile: bool, tp: int = 1) -> None:
-    """Each block checkpointed and/or compiled, in place, before FSDP wraps it; under compile the
-    loss too."""
+def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool | str, compile: bool, tp: int = 1) -> None:
+    """Each block checkpointed (rayllm.parallel.checkpointing) and/or compiled, in place, before
+    FSDP wraps it; under compile the loss too."""
+    mode = checkpoint_mode(activation_checkpointing)
     layers = model.layers
     for i, block in enumerate(layers):
-        if activation_checkpointing and compile and tp > 1:
-            # Compiling a checkpointed TP block fails (torch 2.13: AOTAutograd saves the DTensor's
-            # DeviceMesh among the tensors), so the compiled block is checkpointed instead: compiled
-            # in place (its parameter names keep no "_orig_mod"), FSDP's hooks on the wrapper.
+        if mode == "full" and compile and tp > 1:
+            # Compiling a fully checkpointed TP block fails (torch 2.13: AOTAutograd saves the
+            # DTensor's DeviceMesh among the tensors; selective checkpointing compiles), so the
+            # compiled block is checkpointed instead: compiled in place (its parameter names keep no
+            # "_orig_mod"), FSDP's hooks on the wrapper.
             block.compile(fullgraph=True)
-            block = checkpoint_wrapper(block)
+            block = checkpointed(block, mode)
         else:
-            if activation_checkpointing:
-                block = checkpoint_wrapper(block)
+            if mode != "off":
+                block = checkpointed(block, mode)
             if compile:
                 # Per block, as torchtitan does: every block has the same code, so one compiled
                 # graph serves all of them, and FSDP's hooks stay outside the compiled region.

@@ -172,3 +172,14 @@ def compiles(setting: bool | str, on_gpu: bool) -> bool:
     """``train.compile``: "auto" compiles on GPU only (on CPU it needs a C++ compiler and long runs),
     under tensor parallelism too (rayllm.parallel.tp.settle_embedding_output)."""
     return on_gpu if setting == "auto" else bool(setting)
+
+
+CHECKPOINT_MODES = ("off", "full", "selective")  # rayllm.parallel.checkpointing
+
+
+def checkpoint_mode(setting: bool | str) -> str:
+    """``train.activation_checkpointing`` as one of CHECKPOINT_MODES: false is off, true is full."""
+    mode = ("full" if setting else "off") if isinstance(setting, bool) else setting
+    if mode not in CHECKPOINT_MODES:
+        raise ConfigError(f"train.activation_checkpointing must be false, true (full) or selective; got {setting!r}")
+    return mode

@@ -18,13 +18,21 @@ from functools import cache, partial
 
 from rayllm.errors import ConfigError
 from rayllm.parallel.gpus import GPUS, GpuSpec
-from rayllm.parallel.layout import Layout, check_model_split, compiles, resolve_layout
+from rayllm.parallel.layout import (
+    CHECKPOINT_MODES,
+    Layout,
+    check_model_split,
+    checkpoint_mode,
+    compiles,
+    resolve_layout,
+)
 from rayllm.parallel.shape_counts import (
     Shape,
     block_bytes_per_token,
     flops_per_token,
     model_shape,
     norm_bytes_per_token,
+    selective_block_bytes_per_token,
 )
 
 GIB = 2**30
@@ -41,14 +49,22 @@ CPU_HEAP_SLACK = 0.35
 # NCCL's own buffers for each communicator a rank uses (channels x peers x NCCL_BUFFSIZE).
 NCCL_BYTES_PER_GROUP = 256 * 2**20
 ASSUMED_MFU = 0.4  # for the step-time estimate only, compiled
-# An eager step's speed against a compiled one's (train.compile "auto" is off under TP): compile
-# fuses the norms, SiLU and the loss's passes; an estimate, as ASSUMED_MFU is.
+# An eager step's speed against a compiled one's (train.compile: false): compile fuses the norms,
+# SiLU and the loss's passes; an estimate, as ASSUMED_MFU is.
 EAGER_SPEED = 0.85
 # recommend() keeps 10% of the GPU free for what the plan does not count (compile's and attention's
 # workspaces, NCCL growing its buffers, a spike of the optimizer step).
 RECOMMEND_HEADROOM = 0.9
 # Of FSDP's traffic, the share no prefetch hides (see MemoryPlan.step_seconds).
 EXPOSED_FSDP_SHARE = 0.1
+# Compute with each checkpointing mode against none: full runs every block's forward again (a third
+# more: forward is a third of forward + backward); selective only its element-wise ops, which are
+# memory-bound, a few percent of a step (an estimate, as ASSUMED_MFU is).
+RECOMPUTE_FACTOR = {"off": 1.0, "full": 4 / 3, "selective": 1.03}
+# TP's all-gathers and reduce-scatters of (tokens, dim) per block and step: 4 forward, 4 backward;
+# full checkpointing repeats the forward's 4, selective only its 2 all-gathers (it keeps the
+# reduce-scatters' outputs).
+TP_COLLECTIVES_PER_BLOCK = {"off": 8, "full": 12, "selective": 10}
 FULL_MATMUL_TOKENS = 8192
 
 
@@ -57,12 +73,11 @@ class MemoryPlan:
     layout: Layout
     micro_batch: int
     breakdown: dict[str, int]  # bytes per GPU by term (the keys below)
-    activations_without_checkpointing: int
-    activations_with_checkpointing: int
+    activations_by_mode: dict[str, int]  # one micro-batch's, for each train.activation_checkpointing mode
     total_bytes: int
     fits: bool | None  # None when no GPU was given (CPU accounting)
     comm_bytes_per_step: dict[str, int] = field(default_factory=dict)
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "off"  # rayllm.parallel.layout.CHECKPOINT_MODES
     gpu: GpuSpec | None = None
     parts: dict[str, int] = field(default_factory=dict)  # the sub-terms the table shows
     accum: int = 1
@@ -85,7 +100,7 @@ class MemoryPlan:
         return t["compute"] + exposed
 
     def summary(self) -> str:
-        ac = "on" if self.activation_checkpointing else "off"
+        ac = self.activation_checkpointing
         where = f" of {_gib(self.gpu.memory_bytes)}" if self.gpu else ""
         fits = "" if self.fits is None else (": fits" if self.fits else ": does NOT fit")
         return (
@@ -115,8 +130,8 @@ class MemoryPlan:
             "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered (2 blocks + head) {p['gathered']:,}",
             "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded block and head {p['grad_unsharded']:,}",
             "optimizer": "AdamW exp_avg + exp_avg_sq, fp32, sharded",
-            "activations": f"without checkpointing {_gib(self.activations_without_checkpointing)}, "
-            f"with {_gib(self.activations_with_checkpointing)}",
+            "activations": "checkpointing "
+            + ", ".join(f"{mode} {_gib(b)}" for mode, b in self.activations_by_mode.items()),
             "logits_loss": "logits/tp: fp32 log-softmax, its gradient and the input's; final norm",
             "comm_buffers": "NCCL buffers per process group, FSDP copy-in/out",
             "framework_reserve": "CUDA context, kernels, cuBLAS" if self.gpu else "measured: process with torch",
@@ -158,7 +173,7 @@ def plan_memory(
     gpus_per_node: int = 1,
     layout: Layout | None = None,
     micro_batch: int | None = None,
-    activation_checkpointing: bool | None = None,
+    activation_checkpointing: bool | str | None = None,
     framework_bytes: int | None = None,
 ) -> MemoryPlan:
     """Bytes per GPU (per CPU rank when ``gpu`` is None) of ``config``'s step on nodes x gpus_per_node."""
@@ -171,12 +186,12 @@ def plan_memory(
         )
     _check_split(layout, config)
     micro = micro_batch or t.micro_batch_size
-    ac = t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing
+    ac = checkpoint_mode(t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing)
     e = 2 if t.precision == "bf16" or (t.precision == "auto" and spec is not None) else 4
     tokens = micro * config.data.seq_len
     parts = _state_bytes(s, layout, e, t.cpu_offload)
-    act_full, act_ac, logits_loss = _activation_bytes(s, e, layout.tp, tokens)
-    activations = act_ac if ac else act_full
+    by_mode, logits_loss = _activation_bytes(s, e, layout.tp, tokens)
+    activations = by_mode[ac]
     # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs.
     groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp) if n > 1)
     shards = layout.dp_shard * layout.tp
@@ -198,8 +213,7 @@ def plan_memory(
         layout=layout,
         micro_batch=micro,
         breakdown=breakdown,
-        activations_without_checkpointing=act_full,
-        activations_with_checkpointing=act_ac,
+        activations_by_mode=by_mode,
         total_bytes=total,
         fits=None if spec is None else total <= spec.memory_bytes,
         comm_bytes_per_step=comm_bytes,
@@ -235,17 +249,21 @@ def _state_bytes(s: Shape, layout: Layout, e: int, cpu_offload: bool) -> dict[st
     return dict(param_shard=param_shard, gathered=gathered, grad_shard=grad_shard, grad_unsharded=grad_unsharded)
 
 
-def _activation_bytes(s: Shape, e: int, tp: int, tokens: int) -> tuple[int, int, int]:
-    """(activations without checkpointing, with it, logits and loss) of one micro-batch per rank."""
-    # Activations of one micro-batch; with checkpointing each block keeps only its input (on the
-    # sequence shard under TP) and one block at a time is recomputed in full during backward.
+def _activation_bytes(s: Shape, e: int, tp: int, tokens: int) -> tuple[dict[str, int], int]:
+    """({checkpointing mode: activations}, logits and loss) of one micro-batch per rank."""
+    # Activations of one micro-batch; with full checkpointing each block keeps only its input (on the
+    # sequence shard under TP), selective keeps what it does not recompute, and in both one block at
+    # a time is recomputed during backward (full: a whole block's; selective: at most that).
     per_block = block_bytes_per_token(s, e, tp) * tokens
-    act_full = int(s.layers * per_block)
-    act_ac = int(s.layers * e * s.d * tokens / tp + per_block)
+    by_mode = {
+        "off": int(s.layers * per_block),
+        "full": int(s.layers * e * s.d * tokens / tp + per_block),
+        "selective": int(s.layers * selective_block_bytes_per_token(s, e, tp) * tokens + per_block),
+    }
     # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
     # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
     logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)))
-    return act_full, act_ac, logits_loss
+    return by_mode, logits_loss
 
 
 def _reserve(breakdown: dict[str, int], spec: GpuSpec | None, transient: int, framework_bytes: int | None):
@@ -260,7 +278,7 @@ def _reserve(breakdown: dict[str, int], spec: GpuSpec | None, transient: int, fr
     return {"framework_reserve": framework, "allocator_slack": int(CPU_HEAP_SLACK * transient)}
 
 
-def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: bool) -> dict[str, int]:
+def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str) -> dict[str, int]:
     """Bytes each GPU sends per optimizer step (a ring moves (n-1)/n of the data per rank)."""
     tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
     ring = (shard - 1) / shard
@@ -272,7 +290,7 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
     all_reduce = 2 * (rep - 1) / rep * s.total / (tp * shard) * 4 if rep > 1 else 0  # once a step (HSDP)
     # Sequence parallelism: per block 2 all-gathers + 2 reduce-scatters of (tokens, dim) forward, as many
     # backward, 4 more to recompute under checkpointing; 4 for the embedding and the head.
-    tp_volume = ((12 if ac else 8) * s.layers + 4) * tokens * s.d * e * (tp - 1) / tp
+    tp_volume = (TP_COLLECTIVES_PER_BLOCK[ac] * s.layers + 4) * tokens * s.d * e * (tp - 1) / tp
     return {
         "fsdp_all_gather": int(accum * gathered * ring),
         "fsdp_reduce_scatter": int(accum * reduce * ring),
@@ -281,14 +299,14 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
     }
 
 
-def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: bool, per_node: int) -> dict:
+def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: str, per_node: int) -> dict:
     """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its link's speed."""
     tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
     mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True) else EAGER_SPEED)
     compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
     fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
     return {
-        "compute": compute * (4 / 3 if ac else 1),
+        "compute": compute * RECOMPUTE_FACTOR[ac],
         "mfu": mfu,
         "fsdp": (c["fsdp_all_gather"] + c["fsdp_reduce_scatter"]) / fsdp_link,
         "hsdp": c["hsdp_all_reduce"] / g.inter_node_bytes_per_s,
@@ -330,7 +348,7 @@ def recommend(config, *, gpu: str | GpuSpec, nodes: int, gpus_per_node: int) -> 
     plans = []
     for layout in candidate_layouts(config, nodes, gpus_per_node):
         per_rank = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
-        for ac in (False, True):
+        for ac in CHECKPOINT_MODES:
             for micro in (m for m in range(per_rank, 0, -1) if per_rank % m == 0):
                 plans.append(plan(layout=layout, micro_batch=micro, activation_checkpointing=ac))
     if not plans:

@@ -58,6 +58,16 @@ def block_bytes_per_token(s: Shape, e: int, tp: int) -> float:
     return 2 * norm_bytes_per_token(s, e, tp) + (attention + 4 * e * s.hidden) / tp
 
 
+def selective_block_bytes_per_token(s: Shape, e: int, tp: int) -> float:
+    """What one block keeps per token under selective checkpointing (rayllm.parallel.checkpointing):
+    its input (on the sequence shard), every matmul's output (wq, wk, wv, w1, w3 split by TP; wo's and
+    w2's local outputs over the whole sequence before their reduce-scatter, and those reduce-scatters'
+    outputs under TP), and attention's output with its fp32 logsumexp."""
+    matmuls = e * (s.q + 2 * s.kv + 2 * s.hidden) / tp + 2 * e * s.d
+    scattered = 2 * e * s.d / tp if tp > 1 else 0
+    return e * s.d / tp + matmuls + scattered + (e * s.q + 4 * s.heads) / tp
+
+
 def flops_per_token(s: Shape, seq: int) -> float:
     """As rayllm.model.flops_per_token: 6 per matmul weight, plus attention's scores and values."""
     return 6.0 * (s.layers * (s.block - 2 * s.d) + s.d * s.vocab) + 12.0 * s.layers * s.d * seq

@@ -20,7 +20,7 @@ LAYOUTS = {
     "fsdp4": (4, ["parallel.dp_shard=4"], "FSDP 4"),
     "hsdp2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "train.micro_batch_size=1"], "HSDP 2x2"),
     "tp2xfsdp2": (4, ["parallel.tp=2", "train.activation_checkpointing=true", "train.compile=true"], "FSDP 2 x TP 2"),
-    "tp2": (2, ["parallel.tp=2"], "TP 2"),
+    "tp2": (2, ["parallel.tp=2", "train.activation_checkpointing=selective", "train.compile=true"], "TP 2"),
 }
 
 
@@ -43,9 +43,10 @@ def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
 
 def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkpoint(base, tmp_path):
     """One run through every layout, LEG_STEPS steps each, each leg resuming the previous leg's
-    checkpoint: FSDP 4 from the start -> HSDP 2x2 -> TP 2 x FSDP 2 (activation checkpointing, compiled blocks) ->
-    TP 2 -> FSDP 4. Every step's loss is the 1-process run's (fp32), so each layout trains like
-    one process and each checkpoint reshards to the next layout."""
+    checkpoint: FSDP 4 from the start -> HSDP 2x2 -> TP 2 x FSDP 2 (full activation checkpointing,
+    compiled blocks) -> TP 2 (selective checkpointing, compiled blocks) -> FSDP 4. Every step's
+    loss is the 1-process run's (fp32), so each layout trains like one process and each
+    checkpoint reshards to the next layout."""
     legs = ["fsdp4", "hsdp2x2", "tp2xfsdp2", "tp2", "fsdp4"]
     steps = LEG_STEPS * len(legs)
     run = [*base, f"train.max_steps={steps}"]

@@ -10,7 +10,7 @@ import pytest
 
 from rayllm.cli import main
 from rayllm.config import TrainConfig
-from rayllm.parallel.layout import Layout, resolve_layout
+from rayllm.parallel.layout import CHECKPOINT_MODES, Layout, resolve_layout
 from rayllm.parallel.planner import (
     EAGER_SPEED,
     EXPOSED_FSDP_SHARE,
@@ -100,23 +100,24 @@ def test_recommend_takes_the_shortest_estimated_step_and_the_presets_are_what_it
             own.activation_checkpointing,
         ), (preset, best.summary(), own.summary())
         for layout in candidate_layouts(config, nodes, 8):
-            for ac in (False, True):
+            for ac in CHECKPOINT_MODES:
                 other = plan_memory(
                     config, gpu="h100-80gb", nodes=nodes, gpus_per_node=8, layout=layout, activation_checkpointing=ac
                 )
                 if other.total_bytes <= RECOMMEND_HEADROOM * other.gpu.memory_bytes:
                     assert best.step_seconds <= other.step_seconds * 1.01, (other.summary(), other.step_seconds)
-    # The 70B preset's earlier layouts are estimated slower: TP 8 x FSDP 8 with 64 accumulation
-    # steps, then FSDP over all 64 GPUs with 8.
-    tp8 = plan_memory(_llama_70b(8), gpu="h100-80gb", nodes=8, gpus_per_node=8)
-    fsdp = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=8, gpus_per_node=8)
+    # The 70B preset's earlier layouts, all with full checkpointing, are estimated slower: TP 2 x
+    # FSDP 32 with micro-batches of 2, FSDP over all 64 GPUs, TP 8 x FSDP 8 (64 accumulation steps).
+    full = {"gpu": "h100-80gb", "nodes": 8, "gpus_per_node": 8, "activation_checkpointing": "full"}
+    tp2, fsdp, tp8 = (plan_memory(_llama_70b(tp, micro), **full) for tp, micro in ((2, 2), (1, 1), (8, 1)))
     preset = plan_memory(TrainConfig.from_yaml("configs/llama-70b.yaml"), gpu="h100-80gb", nodes=8, gpus_per_node=8)
-    assert preset.step_seconds < fsdp.step_seconds < tp8.step_seconds
-    assert tp8.accum == 64 and fsdp.accum == 8 and (preset.layout.tp, preset.accum) == (2, 8)
+    assert preset.step_seconds < tp2.step_seconds < fsdp.step_seconds < tp8.step_seconds
+    assert (preset.layout.tp, preset.accum, preset.activation_checkpointing) == (8, 64, "selective")
+    assert tp8.accum == 64 and fsdp.accum == 8 and tp2.accum == 8
 
 
 def test_the_step_estimate_hides_fsdp_behind_compute_but_not_tp():
-    plan = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=8, gpus_per_node=8)
+    plan = plan_memory(_llama_70b(1), gpu="h100-80gb", nodes=8, gpus_per_node=8, activation_checkpointing="full")
     t = plan.seconds
     assert t["fsdp"] < t["compute"] and t["tp"] == 0  # hidden but for EXPOSED_FSDP_SHARE of it
     assert plan.step_seconds == pytest.approx(t["compute"] + EXPOSED_FSDP_SHARE * t["fsdp"])
