@@ -11,10 +11,14 @@ gets its own deadline, train.close_timeout_s), and then:
 
 1. writes its loop thread's and every other thread's Python stack to
    ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU);
-2. posts where it is (running, in a collective, waiting for data) to the process group's
-   key-value store, which answers while the collectives hang;
-3. gathers the others' posts for GATHER_S: the ranks that are not in a collective or a data
-   wait are the ones that did not reach the step's end. The lowest reporting rank writes the
+2. posts where it is (running, in a collective, waiting for data) and how many collectives it
+   has issued in each process group (torch's flight recorder keeps the count, for NCCL and gloo
+   alike) to the process group's key-value store, which answers while the collectives hang;
+3. gathers the others' posts for GATHER_S: the ranks that issued fewer collectives in a group
+   than its other members are the ones that did not reach the step's end. (On NCCL a collective
+   returns at once and its rank waits later, in a read of a result, so where a rank's Python
+   stands cannot tell; the counts can. Without counts, the ranks that are not in a collective
+   or a data wait are the ones.) The lowest reporting rank writes the
    summary line (``hangs/attempt-N/summary.txt``) and sends it to the driver;
 4. ends its process (HANG_EXIT), so the attempt fails and restarts from the latest checkpoint
    as any failure does.
@@ -86,9 +90,24 @@ def where(frame) -> tuple[str, str]:
     return "running", f"{top.name} ({os.path.basename(top.filename)}:{top.lineno})" if top else "?"
 
 
+def behind(reports: list[dict]) -> list[dict]:
+    """The reports of ranks that issued fewer collectives in some process group than another member
+    of it (the collective the others wait in is one it never reached); none when the counts agree."""
+    by_rank = {r["rank"]: r for r in reports if r.get("issued")}
+    late: set[int] = set()
+    for report in by_rank.values():
+        for group, ranks in report.get("groups", {}).items():
+            counts = {m: by_rank[m]["issued"].get(group, -1) for m in ranks if m in by_rank}
+            late.update(m for m, n in counts.items() if n < max(counts.values()))
+    return [by_rank[m] for m in sorted(late)]
+
+
 def summary_line(reports: list[dict], world_size: int, silent_s: float, deadline: float, where_to: str) -> str:
     """One line: how long nothing moved, who did not reach the step's end, where the stacks are."""
-    culprits = [r for r in reports if r["state"] == "running"] or [r for r in reports if r["state"] == "data"]
+    culprits = behind(reports)
+    culprits = (
+        culprits or [r for r in reports if r["state"] == "running"] or [r for r in reports if r["state"] == "data"]
+    )
     if not culprits:  # every reporting rank waits on another: the silent ones, else the lowest step
         missing = sorted(set(range(world_size)) - {r["rank"] for r in reports})
         culprits = [{"rank": m, "node": "?", "place": "no report", "step": "?"} for m in missing] or [
@@ -118,6 +137,7 @@ class HangWatchdog:
         self._slow = 1  # in a long phase (start-up counts as one) while > 0
         self._phases: list[tuple[float, str]] = []  # long phases with a deadline of their own, innermost last
         self._samples = self._in_collectives = 0  # since collective_fraction was last asked
+        self._window_start_ns = time.time_ns()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rayllm-hang-watchdog", daemon=True)
         self._thread.start()
@@ -156,10 +176,17 @@ class HangWatchdog:
         return SLOW_PHASE_S if self._slow else step_deadline(self.config, list(self._step_times))
 
     def collective_fraction(self) -> float:
-        """The part of the loop thread's time in collectives since the last call (sampled), which
-        is the rank's wait for the others: the straggler is the rank that waits least."""
+        """The part of the rank's time in collectives since the last call, which is its wait for the
+        others: the straggler is the rank that waits least. On NCCL, the collectives' own GPU time
+        from torch's flight recorder (a rank's Python returns from them at once); else the loop
+        thread's stack, sampled."""
         samples, waiting = self._samples, self._in_collectives
         self._samples = self._in_collectives = 0
+        now, since = time.time_ns(), self._window_start_ns
+        self._window_start_ns = now
+        on_gpu = nccl_wait_fraction(since, now)
+        if on_gpu is not None:
+            return on_gpu
         return waiting / samples if samples else 0.0
 
     def _watch(self) -> None:
@@ -185,7 +212,7 @@ class HangWatchdog:
         frame = sys._current_frames().get(self._loop_thread)
         state, place = where(frame) if frame is not None else ("running", "?")
         report = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self._step}
-        report.update(state=state, place=place)
+        report.update(state=state, place=place, **issued_collectives())
         header = json.dumps(report)
         write_text(join(folder, f"rank-{self.rank}.txt"), f"{header}\n\n{_all_stacks()}{_nccl_trace()}", self._storage)
         reports = self._gather(report)
@@ -234,6 +261,50 @@ def gather_reports(store, report: dict, rank: int, world_size: int, prefix: str,
     thread.start()
     thread.join(within_s + 1.0)
     return [found[r] for r in sorted(dict(found))]
+
+
+def issued_collectives() -> dict[str, dict]:
+    """{"issued": collectives this rank has issued, by process group name; "groups": each group's
+    ranks}, from torch's flight recorder (its status is kept for every group, NCCL and gloo, even
+    without a trace buffer); empty where there is none."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        status = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=False))["pg_status"]
+        world = dist.distributed_c10d._world
+        groups = {world.pg_names[pg]: dist.get_process_group_ranks(pg) for pg in list(world.pg_map)}
+        issued = {name: int(s["last_enqueued_collective"]) for name, s in status.items() if name in groups}
+        return {"issued": issued, "groups": {name: groups[name] for name in issued}}
+    except Exception:  # a torch without it, or a group being torn down: the stacks still tell
+        return {}
+
+
+def wait_fraction(entries: list[dict], since_ns: int, now_ns: int) -> float | None:
+    """The share of (since_ns, now_ns] that the flight recorder's timed collectives took (their
+    GPU time, waiting for the peers included); None when none was timed (no NCCL timing). The
+    recorder keeps its last entries only: a window longer than they cover counts what they cover."""
+    timed = [e for e in entries if e.get("duration_ms") is not None and e.get("time_created_ns", 0) > since_ns]
+    start = max(since_ns, min((e.get("time_created_ns", 0) for e in entries), default=since_ns))
+    if not timed or now_ns <= start:
+        return None
+    return min(1.0, sum(float(e["duration_ms"]) for e in timed) * 1e6 / (now_ns - start))
+
+
+def nccl_wait_fraction(since_ns: int, now_ns: int) -> float | None:
+    """wait_fraction of this process's NCCL collectives (TORCH_NCCL_ENABLE_TIMING, set for GPU
+    ranks by rayllm.parallel.process_group); None off NCCL."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        entries = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(onlyActive=False)).get("entries", [])
+        return wait_fraction(entries, since_ns, now_ns)
+    except Exception:
+        return None
 
 
 def _store():

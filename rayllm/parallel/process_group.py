@@ -17,8 +17,10 @@ GPU_ENV_DEFAULTS = {
     # Segments that grow in place, not new blocks for each size: multi-GB logits and varying
     # activation sizes fragment the caching allocator less (torchtitan sets it too).
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-    # NCCL's flight recorder keeps the last collectives, which a hang's dump includes.
+    # NCCL's flight recorder keeps the last collectives, which a hang's dump includes, each timed
+    # on the GPU: the straggler watch reads how long each rank waited in them (rayllm.loop.watchdog).
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_ENABLE_TIMING": "1",
 }
 
 

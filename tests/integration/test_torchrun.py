@@ -189,9 +189,13 @@ def check_hang_named(records: list[dict], run_dir, marker) -> None:
     summary = (folder / "summary.txt").read_text()
     assert "rank 2 on node" in summary and "maybe_hang" in summary and "did not reach the end of step 10" in summary
     assert "ranks 0, 1, 3 waited for it" in summary, summary
+    issued = {}
     for rank in range(4):
         dump = (folder / f"rank-{rank}.txt").read_text()
         assert "Thread" in dump and ("maybe_hang" in dump) == (rank == 2), dump[:2000]
+        issued[rank] = json.loads(dump.split("\n", 1)[0])["issued"]["0"]  # the world group's, from torch's recorder
+    # Rank 2 never issued the collective the others wait in: the count that names it on NCCL too.
+    assert issued[2] < issued[0] == issued[1] == issued[3], issued
     failures = [r for r in records if r["kind"] == "failure"]
     assert failures and "hang: no step finished" in failures[0]["message"], records
     assert "attempt failed at step 9 on rank 0" in records[-1]["stdout"]

@@ -5,8 +5,10 @@ import sys
 import threading
 import time
 
+import pytest
+
 from rayllm.config import TrainConfig
-from rayllm.loop.watchdog import SLOW_PHASE_S, step_deadline, summary_line, where
+from rayllm.loop.watchdog import SLOW_PHASE_S, step_deadline, summary_line, wait_fraction, where
 from rayllm.runtime.stragglers import Stragglers
 
 
@@ -48,6 +50,41 @@ def test_the_summary_names_the_running_rank_and_who_waited():
     # Nobody running or waiting for data: the rank that never reported is the one to look at.
     waiting = [dict(r, state="collective") for r in reports[:2]]
     assert "rank 2 on node ? (no report)" in summary_line(waiting, 3, 12, 10, "x")
+
+
+def test_on_nccl_the_rank_that_issued_fewer_collectives_is_named_though_every_rank_reads_as_running():
+    """NCCL's collectives return at once: every rank waits in a read of its step's numbers, so
+    every stack reads "running". The flight recorder's counts say who never issued the collective
+    the others wait in: rank 2 in the world group; in its TP pair ("1"), rank 3 waits for it."""
+    groups = {"0": [0, 1, 2, 3], "1": [2, 3], "2": [0, 1]}
+    place = "_read_steps (trainer.py:370)"
+    reports = [
+        {"rank": r, "node": "ab"[r // 2], "step": 9, "state": "running", "place": place}
+        | {"issued": issued, "groups": {g: groups[g] for g in issued}}
+        for r, issued in enumerate([{"0": 41, "2": 12}, {"0": 41, "2": 12}, {"0": 40, "1": 7}, {"0": 41, "1": 8}])
+    ]
+    line = summary_line(reports, 4, 130, 120, "x")
+    assert f"rank 2 on node b ({place}) did not reach the end of step 10; ranks 0, 1, 3 waited for it" in line
+    # Counts that agree name nobody by themselves: the stacks decide, as without counts.
+    level = [dict(r, issued={g: 5 for g in r["issued"]}) for r in reports]
+    level[1] = dict(level[1], state="collective")
+    assert "rank 0 on node a" in summary_line(level, 4, 130, 120, "x")
+
+
+def test_on_nccl_a_ranks_wait_is_its_timed_collectives_share_of_the_window():
+    """The flight recorder's entries as NCCL writes them with TORCH_NCCL_ENABLE_TIMING: the window's
+    timed collectives over its length; a full ring covers only its own span; none timed: None."""
+    s = 1_000_000_000
+    entries = [
+        {"time_created_ns": 9 * s, "duration_ms": 500.0},  # before the window
+        {"time_created_ns": 11 * s, "duration_ms": 1500.0},
+        {"time_created_ns": 13 * s, "duration_ms": 500.0},
+        {"time_created_ns": 14 * s},  # still running: not timed yet
+    ]
+    assert wait_fraction(entries, 10 * s, 20 * s) == pytest.approx(0.2)  # 2 s of 10
+    assert wait_fraction(entries[1:], 5 * s, 21 * s) == pytest.approx(0.2)  # the ring begins at 11 s
+    assert wait_fraction([{"time_created_ns": 11 * s}], 10 * s, 20 * s) is None  # gloo: no timing
+    assert wait_fraction([], 10 * s, 20 * s) is None
 
 
 def test_a_rank_is_a_straggler_only_when_slow_in_consecutive_windows():
