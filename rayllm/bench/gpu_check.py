@@ -9,7 +9,8 @@ planner, every mesh's smoke steps), then three checks of its own on the same GPU
 what reaches a block under the bf16 policy (the RoPE tables must stay fp32), the loss of bf16
 training against fp32 over the first steps from the same weights, and the planner against the
 allocator's peak for a slice of Llama 3.1 8B (its width, vocabulary and 8,192-token sequences,
-two layers), and that slice's step with train.float8 against bf16. On CPU the GPU-only verdicts read "n/a": the code paths run, the numbers do not count.
+two layers), and that slice's step with train.float8 against bf16 and with selective activation
+checkpointing (the planner's count of what it keeps). On CPU the GPU-only verdicts read "n/a": the code paths run, the numbers do not count.
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def bf16_against_fp32(device: torch.device, tiny: bool) -> dict[str, list[float]
     return losses
 
 
-def slice_config(tiny: bool, float8: bool = False) -> TrainConfig:
+def slice_config(tiny: bool, float8: bool = False, checkpointing: str = "false") -> TrainConfig:
     run = [
         "cluster.num_workers=1",
         "train.precision=auto",
         "train.compile=auto",
-        "train.activation_checkpointing=false",
+        f"train.activation_checkpointing={checkpointing}",
         f"train.float8={str(float8).lower()}",
     ]
     shape = gpu.TINY + ["train.global_batch_size=2"] if tiny else SLICE_8B
@@ -105,7 +106,8 @@ def judge(bench: dict[str, Any], own: dict[str, Any], on_gpu: bool) -> list[Verd
     dtypes = own.get("rope_dtypes", [])
     rope_ok = dtypes[:1] == ["bfloat16"] and dtypes[1:] == ["float32", "float32"]
     verdicts.append(Verdict("RoPE tables reach the blocks in fp32", "PASS" if rope_ok else "FAIL", str(dtypes)))
-    for name, planned in (("1B preset", step), ("8B slice", own.get("slice_8b", {}))):
+    slices = (("8B slice", own.get("slice_8b", {})), ("8B slice, selective", own.get("slice_8b_selective", {})))
+    for name, planned in (("1B preset", step), *slices):
         ratio = planned.get("memory", {}).get("planner", {}).get("measured_over_planned")
         ok = ratio is not None and abs(ratio - 1) <= PLANNER_TOLERANCE
         figure = f"measured x{ratio:.2f} of planned" if ratio else str(planned.get("error", "no plan"))
@@ -153,6 +155,10 @@ def run_check(tiny: bool) -> dict[str, Any]:
             ("bf16_vs_fp32", lambda: bf16_against_fp32(device, tiny)),
             ("slice_8b", lambda: gpu.bench_step(slice_config(tiny), 0, 1, device, warmup=1, steps=2)),
             ("slice_8b_float8", lambda: float8_step(tiny, device)),
+            (
+                "slice_8b_selective",
+                lambda: gpu.bench_step(slice_config(tiny, checkpointing="selective"), 0, 1, device, 1, 2),
+            ),
         ):
             try:
                 own[name] = measure()

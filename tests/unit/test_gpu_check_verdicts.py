@@ -23,6 +23,7 @@ OWN = {
     "bf16_vs_fp32": {"bf16": [10.4, 9.9, 9.5], "fp32": [10.39, 9.91, 9.49]},
     "slice_8b": {"memory": {"planner": {"measured_over_planned": 1.08}}, "losses": [11.9, 11.8], "tokens_per_s": 9e4},
     "slice_8b_float8": {"losses": [11.95, 11.82], "tokens_per_s": 1.1e5},
+    "slice_8b_selective": {"memory": {"planner": {"measured_over_planned": 0.95}}},
 }
 FLOAT8 = "float8 on the 8B slice, loss within 2% of bf16"
 
@@ -42,6 +43,7 @@ def test_each_miss_fails_its_own_item():
     own["slice_8b"]["memory"]["planner"]["measured_over_planned"] = 1.3
     own["bf16_vs_fp32"]["bf16"][2] = 12.0
     own["slice_8b_float8"]["losses"][1] = 12.5
+    own["slice_8b_selective"]["memory"]["planner"]["measured_over_planned"] = 0.7
     failed = sorted(k for k, v in statuses(bench, own).items() if v == "FAIL")
     assert failed == [
         "MFU, 1B preset",
@@ -49,6 +51,7 @@ def test_each_miss_fails_its_own_item():
         "bf16 loss within 2% of fp32",
         FLOAT8,
         "planner within 15%: 8B slice",
+        "planner within 15%: 8B slice, selective",
     ]
 
 
