@@ -1,7 +1,9 @@
 """In-memory checkpoints: checkpoint folders whose files live in Ray's object store, twice.
 
 A ``Keeper`` actor per node holds files as objects it put itself (so it owns them: a dead
-training worker takes none with it). A file written on node A is stored by A's keeper and by
+training worker takes none with it). A writer puts a file once, as an array (no Python bytes);
+its node's keeper and a neighbour's fetch it as read-only arrays and put their own copies, both
+at once. A file written on node A is stored by A's keeper and by
 the keeper of another node (the next in the sorted list of nodes with keepers), so losing one
 node loses no file. The keepers are created and owned by one ``KeeperRegistry`` actor that the
 driver starts for the run: they outlive every worker group and die with the driver.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import io
 import posixpath
+import threading
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -26,6 +29,7 @@ from rayllm.ray_cluster import pinned_actor
 
 PROTOCOL = "rayllm-mem"
 CALL_TIMEOUT_S = 120.0  # any call to a keeper or the registry; a node lost mid-call ends it sooner
+KEEPER_THREADS = 16  # a node's ranks (8 GPUs) and its neighbour's copies at once
 STATE_BYTES_PER_PARAM = 12  # fp32 weights and AdamW's two fp32 moments
 
 
@@ -71,16 +75,24 @@ def _object_stores(max_nodes: int) -> tuple[int, int]:
 
 
 class Keeper:
-    """One node's files: path -> object (put by this actor, so owned by it)."""
+    """One node's files: path -> object, each owned by this actor (a dead writer takes none with
+    it). A threaded actor: the node's ranks hand it their files at once."""
 
     def __init__(self):
         self._files: dict[str, tuple[Any, int]] = {}  # path -> (object ref, bytes)
+        self._lock = threading.Lock()
 
-    def put(self, path: str, data: bytes) -> int:
+    def keep(self, path: str, refs: list, size: int) -> int:
+        """A file its writer put in the object store (``refs``: in a list, so that Ray hands the
+        reference): fetched into this node's store as a read-only array (no copy on the writer's
+        node: a view of the object) and put again, owned here. (Ray 2.56 removed ``ray.put``'s
+        ``_owner``, which would have spared the put on the writer's node.)"""
         import ray
 
-        self._files[path] = (ray.put(data), len(data))
-        return len(data)
+        ref = ray.put(ray.get(refs[0], timeout=CALL_TIMEOUT_S))
+        with self._lock:
+            self._files[path] = (ref, size)
+        return size
 
     def get(self, path: str) -> list:
         """[the file's object ref] (in a list, so that Ray hands back the reference), or []."""
@@ -91,12 +103,14 @@ class Keeper:
         return {p: n for p, (_, n) in self._files.items() if p == prefix or p.startswith(prefix.rstrip("/") + "/")}
 
     def rm(self, prefix: str) -> None:
-        for path in list(self.ls(prefix)):
-            del self._files[path]
+        with self._lock:
+            for path in list(self.ls(prefix)):
+                del self._files[path]
 
     def rename(self, src: str, dst: str) -> None:
-        for path in list(self.ls(src)):
-            self._files[dst + path[len(src) :]] = self._files.pop(path)
+        with self._lock:
+            for path in list(self.ls(src)):
+                self._files[dst + path[len(src) :]] = self._files.pop(path)
 
     def usage(self) -> int:
         return sum(n for _, n in self._files.values())
@@ -111,7 +125,7 @@ class KeeperRegistry:
     def keeper(self, node: str):
         """This node's keeper, created on first ask, pinned to the node."""
         if node not in self._keepers:
-            self._keepers[node] = pinned_actor(Keeper, node).remote()
+            self._keepers[node] = pinned_actor(Keeper, node, max_concurrency=KEEPER_THREADS).remote()
         return self._keepers[node]
 
     def keepers(self) -> dict[str, Any]:
@@ -138,7 +152,11 @@ class _WriteBuffer(io.BytesIO):
 
     def close(self) -> None:
         if not self.closed:
-            self._fs.pipe_file(self._path, self.getvalue())
+            view = self.getbuffer()  # the written bytes, not a copy of them
+            try:
+                self._fs.pipe_file(self._path, view)
+            finally:
+                view.release()
         super().close()
 
 
@@ -186,29 +204,35 @@ class KeeperFileSystem(AbstractFileSystem):
         return answers
 
     # -- fsspec -------------------------------------------------------------------------------
-    def pipe_file(self, path: str, value: bytes, **kwargs) -> None:
-        """Stored by this node's keeper and by the first live keeper after it in node order."""
+    def pipe_file(self, path: str, value: bytes | memoryview, **kwargs) -> None:
+        """Stored by this node's keeper and by the first live keeper after it in node order, both
+        at once, from one array this writer puts (a view of ``value``: no Python bytes copy)."""
+        import numpy as np
         import ray
         from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
         path = self._strip_protocol(path)
         registry = self._registry(path)
-        data = ray.put(bytes(value))  # once: both keepers take it from this node's store
         node = ray.get_runtime_context().get_node_id()
         own = ray.get(registry.keeper.remote(node), timeout=CALL_TIMEOUT_S)
-        ray.get(own.put.remote(path, data), timeout=CALL_TIMEOUT_S)
+        data = np.frombuffer(value, dtype=np.uint8)  # (bytes,): a view of the written buffer
+        size = data.nbytes
+        ref = ray.put(data)
+        del data  # the view must go before its buffer is released
+        kept = own.keep.remote(path, [ref], size)
         others = sorted(n for n in self._keepers(path) if n != node)
         for other in [n for n in others if n > node] + [n for n in others if n < node]:
             try:
                 keeper = ray.get(registry.keeper.remote(other), timeout=CALL_TIMEOUT_S)
-                ray.get(keeper.put.remote(path, data), timeout=CALL_TIMEOUT_S)
-                return
+                ray.get(keeper.keep.remote(path, [ref], size), timeout=CALL_TIMEOUT_S)
+                break
             except (RayActorError, GetTimeoutError) as e:
                 # Forgetting a keeper drops the registry's handle, which ends it with every file it
                 # holds: only for one that is really dead. A slow or briefly unreachable one keeps
                 # its files; the next keeper takes this copy.
                 if isinstance(e, ActorDiedError):
                     registry.forget.remote(other)  # lost with its node
+        ray.get(kept, timeout=CALL_TIMEOUT_S)
 
     def cat_file(self, path: str, start=None, end=None, **kwargs) -> bytes:
         import ray
@@ -219,8 +243,8 @@ class KeeperFileSystem(AbstractFileSystem):
             try:
                 found = ray.get(keeper.get.remote(path), timeout=CALL_TIMEOUT_S)
                 if found:
-                    data = ray.get(found[0], timeout=CALL_TIMEOUT_S)
-                    return data[start:end]
+                    data = ray.get(found[0], timeout=CALL_TIMEOUT_S)  # a read-only array in the store
+                    return data[start:end].tobytes()
             except (RayActorError, GetTimeoutError, ObjectLostError):
                 continue
         raise FileNotFoundError(path)
