@@ -67,3 +67,20 @@ def test_dcp_saves_and_loads_through_the_keepers_from_another_process(mem_root, 
     loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(10)}
     dcp.load(loaded, storage_reader=FsspecReader(uri), no_dist=True)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+
+
+def test_bench_keepers_times_both_sides_on_two_nodes(tmp_path):
+    """python -m rayllm.bench.keepers on a two-node cluster of this machine: both sides timed and
+    their ratio reported."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "keepers.json"
+    cmd = [sys.executable, "-m", "rayllm.bench.keepers", "--writers=2", "--mb=4", "--rounds=1", f"--json={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert (result["writers"], result["mb_per_writer"]) == (2, 4)
+    assert result["seconds"]["keepers"] > 0 and result["seconds"]["floor"] > 0
+    assert result["ratio_keepers_over_floor"] == result["seconds"]["keepers"] / result["seconds"]["floor"]
