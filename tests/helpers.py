@@ -42,6 +42,19 @@ def free_port() -> int:
 
 
 # -- a run's records (read_records: rayllm.bench.common's) ----------------------------------------
+def quiet_run(overrides: list[str]) -> list[str]:
+    """The session's test-model overrides, less their run dir, for a run whose losses are compared:
+    a loss every step, no validation, checkpoint, samples or tracking, on CPU."""
+    return [o for o in overrides if not o.startswith("run.dir=")] + [
+        "train.log_every=1",
+        "train.val_every=100",
+        "train.checkpoint_every=100",
+        "train.sample_tokens=0",
+        "tracking.enabled=false",
+        "cluster.use_gpu=false",
+    ]
+
+
 def losses(records: list[dict]) -> dict[int, float]:
     """Each logged training step's loss."""
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}

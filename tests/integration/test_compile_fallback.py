@@ -11,24 +11,14 @@ import os
 import subprocess
 import sys
 
-from helpers import free_port, losses, torchrun_records
-
-from rayllm.bench.common import read_records
+from helpers import free_port, losses, quiet_run, read_records, torchrun_records
 
 # Rank 1 only: torchrun gives every rank one environment, so a shell sets CXX by LOCAL_RANK.
 BROKEN_ON_RANK_1 = 'if [ "$LOCAL_RANK" = 1 ]; then export CXX=/bin/false; fi; exec "$0" -m rayllm.runtime.torchrun "$@"'
 
 
 def test_a_rank_whose_compiler_fails_makes_every_rank_train_eager_with_a_warning(overrides, tmp_path):
-    base = [o for o in overrides if not o.startswith("run.dir=")] + [
-        "train.max_steps=3",
-        "train.log_every=1",
-        "train.val_every=100",
-        "train.checkpoint_every=100",
-        "train.sample_tokens=0",
-        "tracking.enabled=false",
-        "cluster.use_gpu=false",
-    ]
+    base = [*quiet_run(overrides), "train.max_steps=3"]
     eager = losses(torchrun_records(1, [*base, "train.compile=false", f"run.dir={tmp_path / 'eager'}"]))
     run_dir = tmp_path / "fallback"
     cmd = [

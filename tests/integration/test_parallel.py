@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, losses, torchrun_records
+from helpers import free_port, losses, quiet_run, torchrun_records
 
 LEG_STEPS = 5
 # name: (ranks, overrides, the layout the run reports). Global batch 8: HSDP accumulates 2
@@ -26,14 +26,7 @@ LAYOUTS = {
 
 @pytest.fixture
 def base(overrides):
-    return [o for o in overrides if not o.startswith("run.dir=")] + [
-        "train.log_every=1",
-        "train.val_every=100",
-        "train.checkpoint_every=100",
-        "train.sample_tokens=0",
-        "tracking.enabled=false",
-        "cluster.use_gpu=false",
-    ]
+    return quiet_run(overrides)
 
 
 def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
