@@ -158,8 +158,9 @@ class MemoryCheckpoint(RunEvent):
     """Rank 0 (the checkpointer), once the keepers hold every rank's part of an in-memory checkpoint."""
 
     kind: ClassVar[str] = "memory_checkpoint"
-    stall_s: float
+    stall_s: float  # the training time it cost: starting it, and waiting for the copy to CPU memory
     nbytes: int = _key("bytes")  # what the keepers hold, both copies
+    write_s: float | None = None  # from the start of the save to its marker, while training went on
 
 
 @dataclass(frozen=True, kw_only=True)

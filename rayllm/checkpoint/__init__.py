@@ -1,6 +1,7 @@
 """Checkpoints, the whole protocol: DCP shards (dcp_io), the commit protocol every reader honours
 (store), the typed train state (state), the loop's checkpointer (checkpointer: async and
-in-memory saves, the commit agreement, retention, milestones), in-memory keepers (memory), and
+in-memory saves, the commit agreement, retention, milestones; memory_saver: in-memory saves off the
+loop), in-memory keepers (memory), and
 Hugging Face folders (hf, hf_import). Every reader goes through find_checkpoint, read_state and
 load / load_whole_model."""
 

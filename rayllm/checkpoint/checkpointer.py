@@ -6,8 +6,9 @@
                    all-reduce): rank 0's state, a barrier, the commit marker (store.py), the
                    session's registration, then rank 0's housekeeping in a thread of its own
 
-    save_memory(step) -> the same into the keepers' object store (checkpoint/memory.py), at once,
-                   unregistered, the latest one kept; resume takes the newest whole checkpoint
+    save_memory(step) -> the same into the keepers' object store (checkpoint/memory.py), marked
+                   by rank 0 in the background once written (memory_saver.py), unregistered, the
+                   latest one kept; resume takes the newest whole checkpoint
 
     agree()     -> once a step, one small all-reduce: whether a write is still running on some
                    rank, whether a time-based checkpoint is due, and the loop's own stop flags
@@ -35,23 +36,10 @@ import torch.distributed as dist
 from rayllm import checkpoint, events
 from rayllm.checkpoint import memory
 from rayllm.checkpoint.lease import lease_owner_id, require_owner
+from rayllm.checkpoint.memory_saver import MemorySaver, wait_copied
+from rayllm.checkpoint.pending import PendingCheckpoint, write_ids
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig
-
-
-@dataclasses.dataclass
-class PendingCheckpoint:
-    """A checkpoint being written: what rank 0 adds beside the shards, and the write's futures."""
-
-    step: int
-    state: TrainState
-    metrics: dict[str, Any]
-    ids: np.ndarray | None
-    final: bool = False
-    copied: Any = None  # an async save's future: shards copied to CPU memory; None once waited for
-    written: Any = None  # ... shards written; None once written
-    stall_s: float = 0.0  # time the step loop spent on this checkpoint
-    ids_uncommitted: np.ndarray | None = None  # in memory: the ids of a stored checkpoint still being written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +55,12 @@ class StepAgreement:
 class Checkpointer:
     """Checkpoints of one rank, collective: every rank constructs it at the same point.
 
-    It creates two gloo groups of its own. ``group`` is for the async writer's collectives, which
-    run in a background thread and must not interleave with the loop's. ``loop_group`` is used
-    only from the loop's thread: the step agreement and in-memory saves, which run while a stored
-    one may still be writing (a barrier on ``group`` then met the writer's all-gather on the other
-    rank, and both waited for ever)."""
+    It creates three gloo groups of its own. ``group`` is for the async writer's collectives, which
+    run in a background thread and must not interleave with the loop's; ``memory_group`` the same
+    for the in-memory writer, which may write beside it. ``loop_group`` is used only from the
+    loop's thread: the step agreement and the commit's barrier, which may run while a stored one
+    is still writing (a barrier on ``group`` then met the writer's all-gather on the other rank,
+    and both waited for ever)."""
 
     def __init__(
         self,
@@ -86,8 +75,8 @@ class Checkpointer:
         self.tokenizer_json = tokenizer_json  # the run's, written beside every stored checkpoint
         # Made whenever a process group exists, even of one rank: the async writer's collectives
         # must never run on the default group (NCCL on a GPU) beside the training loop's.
-        groups = [dist.new_group(backend="gloo") for _ in range(2)] if dist.is_initialized() else [None, None]
-        self.loop_group, self.group = groups
+        groups = [dist.new_group(backend="gloo") for _ in range(3)] if dist.is_initialized() else [None] * 3
+        self.loop_group, self.group, memory_group = groups
         self._collective = dist.is_initialized() and session.world_size > 1  # else nothing to agree with
         self.before_commit = before_commit  # (step, rank, world): the tests' crash between write and commit
         self.slow = slow  # (deadline, phase): the hang watchdog's long phase, for the end of the run
@@ -96,11 +85,13 @@ class Checkpointer:
         self._writer: checkpoint.AsyncWriter | None = None
         self.last_at = time.monotonic()
         self.committed_step: int | None = None  # of the latest stored checkpoint committed
-        self.memory_save_s: float | None = None  # the last in-memory save's time, on this rank
         self.memory: checkpoint.CheckpointStore | None = None
+        self._memory_saver: MemorySaver | None = None
         if session.memory_root:
             memory.register()
             self.memory = checkpoint.CheckpointStore(session.memory_root, config.storage)
+            background = config.train.async_checkpoint
+            self._memory_saver = MemorySaver(self.memory, config.storage, session, device, memory_group, background)
         # Rank 0 copies milestones and prunes old checkpoints off the step loop: removing a
         # checkpoint's files takes as long as a small model's step.
         self._tidier = (
@@ -109,6 +100,8 @@ class Checkpointer:
         self.owner: str | None = None  # the run dir's lease holder (lease.py), written into each marker
         if session.rank == 0:
             self.owner = lease_owner_id(config.run.dir, config.storage)
+            if self._memory_saver is not None:
+                self._memory_saver.owner = self.owner
             self._tidier.submit(self._finish_milestones)  # copies an earlier attempt's end cut off
 
     def agree(self, stop_requested: bool, preempted: bool) -> StepAgreement:
@@ -135,12 +128,15 @@ class Checkpointer:
         if self.session.rank == 0:
             stored = self.store.complete_steps()
             choice[0] = self.store.latest(on_incomplete=self._warn)
+            resumed = -1  # the in-memory checkpoint resumed from, if any
             for step in reversed(self.memory.complete_steps() if self.memory else []):
                 if stored and step < stored[-1]:
                     break
                 if memory.whole(self.memory.uri(step)):
-                    choice[0] = self.memory.uri(step)
+                    choice[0], resumed = self.memory.uri(step), step
                     break
+            if self.memory is not None:  # the rest is older, not whole or stale: no save rewrites one
+                self.memory.keep_only(resumed)
         if self._collective:
             dist.broadcast_object_list(choice, src=0, group=self.group)
         return choice[0]
@@ -217,38 +213,20 @@ class Checkpointer:
             self.commit(ckpt)
 
     def save_memory(self, ckpt: PendingCheckpoint, model, optimizer) -> None:
-        """Collective: checkpoint this step into the keepers, synchronously (host memory, no
-        storage). Ray Train does not register it; only the latest one is kept."""
-        started = time.perf_counter()
-        rank, world = self.session.rank, self.session.world_size
-        step = ckpt.step
-        if rank == 0:
-            self.memory.unmark(step)
-        checkpoint.save(self.memory.uri(step), self.config.storage, model, optimizer)
-        if rank == 0:
-            self.memory.write_state(step, ckpt.state, None)
-        _write_ids(self.memory, step, "consumed", rank, ckpt.ids)
-        _write_ids(self.memory, step, "uncommitted", rank, ckpt.ids_uncommitted)
-        if self._collective:
-            dist.barrier(group=self.loop_group)  # every rank's part is held
-        if rank == 0:
-            self.memory.mark_complete(step, world, owner=self.owner)
-            self.memory.keep_only(step)
-            fs = self.memory.fs
-            held = fs.usage(self.memory.root) if hasattr(fs, "usage") else fs.du(self.memory.root)
-            stall = time.perf_counter() - started
-            self.session.emit(events.MemoryCheckpoint(step=step, stall_s=stall, nbytes=held))
-        self.memory_save_s = time.perf_counter() - started
+        """Collective: start this step's in-memory checkpoint, written and marked off the loop
+        (memory_saver.py). Ray Train does not register it; only the latest one is kept."""
+        self._memory_saver.save(ckpt, model, optimizer)
+
+    @property
+    def memory_save_s(self) -> float | None:
+        """The last in-memory save's time on this rank, from its start to its write's end."""
+        return self._memory_saver.save_s if self._memory_saver else None
 
     def wait_copied(self) -> None:
-        """Before the weights change: wait until a pending async save has copied them (its stall)."""
-        ckpt = self.pending
-        if ckpt is None or ckpt.copied is None:
-            return
-        started = time.perf_counter()
-        ckpt.copied.result()
-        ckpt.copied = None
-        ckpt.stall_s += time.perf_counter() - started
+        """Before the weights change: wait until pending async saves have copied them (their stall)."""
+        wait_copied(self.pending)
+        if self._memory_saver is not None:
+            self._memory_saver.wait_copied()
 
     def writing(self) -> bool:
         """Whether this rank's part of the pending checkpoint is still being written."""
@@ -258,14 +236,14 @@ class Checkpointer:
         """Collective: once every rank's part is stored, rank 0 marks the checkpoint complete."""
         started = time.perf_counter()
         rank, world = self.session.rank, self.session.world_size
-        self.wait_copied()
+        wait_copied(ckpt)
         if ckpt.written is not None:
             ckpt.written.result()
             ckpt.written = None
         if rank == 0:  # rank 0's part, stored before the others may be: only the marker makes it count
             self.store.write_state(ckpt.step, ckpt.state, self.tokenizer_json)
         self.before_commit(ckpt.step, rank, world)
-        _write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
+        write_ids(self.store, ckpt.step, "consumed", rank, ckpt.ids)
         if self._collective:
             dist.barrier(group=self.group)  # every rank's part is stored
         if rank == 0:
@@ -318,16 +296,10 @@ class Checkpointer:
         with self.slow(self.config.train.close_timeout_s, "the end of the run (last commit, milestone copy)"):
             if self.pending is not None:
                 self.commit(self.pending)
+            if self._memory_saver is not None:
+                self._memory_saver.close()
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
             if self._tidier is not None:
                 self._tidier.shutdown(wait=True)
-
-
-def _write_ids(store: checkpoint.CheckpointStore, step: int, name: str, rank: int, ids: np.ndarray | None) -> None:
-    """A rank's record of the sequence ids it trained on (data.record_ids), beside its shards."""
-    if ids is not None:
-        buffer = io.BytesIO()
-        np.save(buffer, ids)
-        store.fs.pipe_file(posixpath.join(store.path(step), f"{name}-rank{rank:05d}.npy"), buffer.getvalue())

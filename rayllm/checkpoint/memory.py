@@ -94,26 +94,36 @@ class Keeper:
             self._files[path] = (ref, size)
         return size
 
+    # Every method holds the lock, reads too: calls run in threads at once, and iterating the
+    # dict while another thread adds a file raised "dictionary changed size during iteration".
     def get(self, path: str) -> list:
         """[the file's object ref] (in a list, so that Ray hands back the reference), or []."""
-        entry = self._files.get(path)
+        with self._lock:
+            entry = self._files.get(path)
         return [entry[0]] if entry else []
 
     def ls(self, prefix: str) -> dict[str, int]:
-        return {p: n for p, (_, n) in self._files.items() if p == prefix or p.startswith(prefix.rstrip("/") + "/")}
+        with self._lock:
+            return self._under(prefix)
+
+    def _under(self, prefix: str) -> dict[str, int]:
+        """path -> bytes of the files at or under ``prefix``; the caller holds the lock."""
+        folder = prefix.rstrip("/") + "/"
+        return {p: n for p, (_, n) in self._files.items() if p == prefix or p.startswith(folder)}
 
     def rm(self, prefix: str) -> None:
         with self._lock:
-            for path in list(self.ls(prefix)):
+            for path in self._under(prefix):
                 del self._files[path]
 
     def rename(self, src: str, dst: str) -> None:
         with self._lock:
-            for path in list(self.ls(src)):
+            for path in self._under(src):
                 self._files[dst + path[len(src) :]] = self._files.pop(path)
 
     def usage(self) -> int:
-        return sum(n for _, n in self._files.values())
+        with self._lock:
+            return sum(n for _, n in self._files.values())
 
 
 class KeeperRegistry:
@@ -278,6 +288,23 @@ class KeeperFileSystem(AbstractFileSystem):
         listed = sorted(entries.values(), key=lambda e: e["name"])
         return listed if detail else [e["name"] for e in listed]
 
+    def find(self, path: str, maxdepth=None, withdirs: bool = False, detail: bool = False, **kwargs):
+        """Every file under ``path``, in one call to each keeper (fsspec's own walks folder by folder)."""
+        if maxdepth is not None or withdirs:
+            return super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=detail, **kwargs)
+        listing = self._listing(self._strip_protocol(path))
+        if detail:
+            return {p: {"name": p, "size": n, "type": "file"} for p, n in sorted(listing.items())}
+        return sorted(listing)
+
+    def exists(self, path: str, **kwargs) -> bool:
+        """fsspec's own answers False on any error: a keeper's failure must not read as a missing file."""
+        try:
+            self.info(path)
+            return True
+        except FileNotFoundError:
+            return False
+
     def info(self, path: str, **kwargs) -> dict:
         path = self._strip_protocol(path)
         listing = self._listing(path)
@@ -320,16 +347,16 @@ def register() -> None:
 
 
 def whole(uri: str) -> bool:
-    """Whether every file of the checkpoint at ``uri`` is held by a live keeper: its marker, the
+    """Whether every file of the in-memory checkpoint at ``uri`` is still held: its marker, the
     run state and each DCP file its metadata names (a file both of whose keepers died is gone)."""
+    import fsspec
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     from rayllm.checkpoint.store import COMMIT_FILE, STATE_FILE
 
-    fs = KeeperFileSystem()
-    root = KeeperFileSystem._strip_protocol(uri)
-    held = fs._listing(root)
-    if not {f"{root}/{COMMIT_FILE}", f"{root}/{STATE_FILE}", f"{root}/.metadata"} <= held.keys():
+    fs, root = fsspec.core.url_to_fs(uri)
+    held = set(fs.find(root))
+    if not {f"{root}/{COMMIT_FILE}", f"{root}/{STATE_FILE}", f"{root}/.metadata"} <= held:
         return False
     try:
         files = {d.relative_path for d in FsspecReader(uri).read_metadata().storage_data.values()}

@@ -169,10 +169,17 @@ class CheckpointStore:
             self.fs.rm(self.path(step), recursive=True)
 
     def keep_only(self, step: int) -> None:
-        """Drop every checkpoint folder but ``step``'s, the one just committed (in-memory: one kept).
-        Not "the newest": a folder of a later step left by an earlier attempt is stale."""
+        """Drop every checkpoint folder but ``step``'s, the one resumed from (in-memory: a folder of
+        a later step left by an earlier attempt is stale, and no save may write over it)."""
         for other, _ in self._folders():
             if other != step:
+                self.fs.rm(self.path(other), recursive=True)
+
+    def drop_before(self, step: int) -> None:
+        """Drop the checkpoint folders of steps before ``step``, the one just committed (in-memory:
+        the latest one kept). Never a later one: another rank may already be writing it."""
+        for other, _ in self._folders():
+            if other < step:
                 self.fs.rm(self.path(other), recursive=True)
 
 

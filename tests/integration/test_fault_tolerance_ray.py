@@ -81,9 +81,9 @@ EVENTS = [
 ]
 
 
-def test_ten_failures_in_one_run_each_cost_at_most_a_step_and_change_nothing(scenarios):
+def test_ten_failures_in_one_run_each_cost_at_most_two_steps_and_change_nothing(scenarios):
     """The chaos run (ray_cluster_scenarios.py): every event lands, each starts one new attempt,
-    which resumes from the in-memory checkpoint of the step before or later, but where a stored
+    which resumes from the in-memory checkpoint of one of the two steps before, but where a stored
     one is as new (the SIGTERM's) or no in-memory copy survives (both nodes replaced); the
     sequences, every one once, and the final loss are the uninterrupted run's."""
     ref, run = scenarios["reference"], scenarios["chaos"]
@@ -98,7 +98,9 @@ def test_ten_failures_in_one_run_each_cost_at_most_a_step_and_change_nothing(sce
     assert run["resumed_from"] == expected, run["resumed_from"]
     steps, before = [s["step"] for s in starts], run["trained_before"]
     for i, source in enumerate(run["resumed_from"][1:-1], start=1):
-        assert 0 <= before[i] - steps[i] <= (1 if source == "memory" else 0), (i, steps, before)
+        # In memory every step, written in the background: the step before's save may still have
+        # been written when the fault came (here a write takes longer than a step), so at most 2.
+        assert 0 <= before[i] - steps[i] <= (2 if source == "memory" else 0), (i, steps, before)
     assert steps[-1] % 4 == 0 and steps[-1] < before[-1], (steps, before)  # a stored checkpoint's step
     assert [(r["from"], r["to"]) for r in run["resizes"]][:2] == [(2, 1), (1, 2)]
     assert abs(final_loss(run) - final_loss(ref)) / final_loss(ref) <= 1e-4

@@ -5,11 +5,15 @@ off are finished, never nested. Real DCP checkpoints of a small model in one pro
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 
 from rayllm import checkpoint, events
 from rayllm.checkpoint.checkpointer import Checkpointer
@@ -118,10 +122,10 @@ class _Rank0:
         pass
 
 
-def _checkpointer(tmp_path, session: _Rank0, **kwargs) -> Checkpointer:
+def _checkpointer(tmp_path, session: _Rank0, async_checkpoint: bool = False, **kwargs) -> Checkpointer:
     config = TrainConfig()
     config.run.dir = str(tmp_path / "run")
-    config.train.async_checkpoint = False
+    config.train.async_checkpoint = async_checkpoint
     return Checkpointer(config, session, torch.device("cpu"), tokenizer_json=None, **kwargs)
 
 
@@ -142,6 +146,8 @@ def test_a_resave_that_dies_before_its_commit_leaves_no_checkpoint(tmp_path):
 
 
 def test_the_in_memory_store_keeps_the_step_just_written_not_a_stale_later_one(tmp_path):
+    """As the loop does it: the restore drops the earlier attempt's stale folder, the save's marker
+    the earlier ones (never a later one: another rank may be writing it)."""
     model, optimizer = _model()
     root = f"memory://rayllm-test-{uuid.uuid4().hex[:8]}/run"
     stale = checkpoint.CheckpointStore(root, STORAGE)  # an earlier attempt's, at a later step
@@ -149,6 +155,10 @@ def test_the_in_memory_store_keeps_the_step_just_written_not_a_stale_later_one(t
     stale.mark_complete(20, world_size=1)
     session = _Rank0(memory_root=root)
     ckpt = _checkpointer(tmp_path, session)
+    earlier = checkpoint.CheckpointStore(root, STORAGE)
+    _commit(earlier, 10, model, optimizer)
+    assert ckpt.newest() == earlier.uri(10)  # the stale one is not whole: no shards
+    assert stale.complete_steps() == [10]
     ckpt.save_step(TrainState(step=15, consumed=120), {}, None, model, optimizer, final=False, in_memory=True)
     ckpt.close()
     assert stale.complete_steps() == [15]
@@ -212,3 +222,77 @@ def test_in_memory_checkpoints_larger_than_the_object_store_are_refused_naming_t
     line = str(refused.value)
     for needle in ("need 89.41 GiB", "8,000,000,000 parameters", "64.00 GiB", "train.memory_checkpoint_every=null"):
         assert needle in line, line
+
+
+class _HeldStore(MemoryFileSystem):
+    """An in-memory store whose shard writes wait until released: a slow object store."""
+
+    protocol = "rayllm-held"
+    release = threading.Event()
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.replace("rayllm-held://", "memory://"))
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode and path.endswith(".distcp"):
+            assert self.release.wait(60), "the test never released the store"
+        return super()._open(path, mode, **kwargs)
+
+
+def test_an_in_memory_save_is_written_and_marked_while_the_loop_goes_on(tmp_path):
+    """The loop waits only for the copy to CPU memory: the save returns while the store still
+    holds the shards back, and the marker comes once they are written, without the loop."""
+    fsspec.register_implementation(_HeldStore.protocol, _HeldStore, clobber=True)
+    _HeldStore.release.clear()
+    model, optimizer = _model()
+    root = f"rayllm-held://rayllm-test-{uuid.uuid4().hex[:8]}/run"
+    session = _Rank0(memory_root=root)
+    ckpt = _checkpointer(tmp_path, session, async_checkpoint=True)
+    saving = threading.Thread(
+        target=ckpt.save_step,
+        args=(TrainState(step=15, consumed=120), {}, None, model, optimizer),
+        kwargs={"final": False, "in_memory": True},
+    )
+    saving.start()
+    saving.join(timeout=30)
+    assert not saving.is_alive()  # returned while the shards are held back
+    ckpt.wait_copied()  # what the loop waits for before the optimizer step
+    assert ckpt.memory.complete_steps() == [] and not session.events
+    time.sleep(0.5)
+    _HeldStore.release.set()
+    deadline = time.time() + 30
+    while time.time() < deadline and not ckpt.memory.complete_steps():
+        time.sleep(0.05)  # the loop does nothing: rank 0's marker thread marks it
+    assert ckpt.memory.complete_steps() == [15]
+    ckpt.close()
+    (done,) = [e for e in session.events if isinstance(e, events.MemoryCheckpoint)]
+    assert done.step == 15 and done.write_s >= 0.5 > done.stall_s, done
+
+
+def test_a_restore_keeps_only_the_in_memory_checkpoint_it_resumes_from(tmp_path):
+    """No later save rewrites an in-memory folder: a restore drops every other one (older, stale
+    from an earlier attempt, or not whole)."""
+    model, optimizer = _model()
+    root = f"memory://rayllm-test-{uuid.uuid4().hex[:8]}/run"
+    store = checkpoint.CheckpointStore(root, STORAGE)
+    _commit(store, 10, model, optimizer)
+    _commit(store, 20, model, optimizer)
+    store.write_state(30, TrainState(step=30, consumed=240), None)  # written, never marked
+    ckpt = _checkpointer(tmp_path, _Rank0(memory_root=root))
+    assert ckpt.newest() == store.uri(20)
+    assert [step for step, _ in store._folders()] == [20]
+    ckpt.close()
+
+
+def test_an_in_memory_marker_never_drops_a_later_folder_another_rank_is_writing(tmp_path):
+    """Rank 0 marks step 15 off the loop; a rank ahead of it has begun step 16's folder (its ids)."""
+    model, optimizer = _model()
+    root = f"memory://rayllm-test-{uuid.uuid4().hex[:8]}/run"
+    store = checkpoint.CheckpointStore(root, STORAGE)
+    _commit(store, 10, model, optimizer)
+    store.fs.pipe_file(f"{store.path(16)}/consumed-rank00001.npy", b"ids")
+    ckpt = _checkpointer(tmp_path, _Rank0(memory_root=root), async_checkpoint=True)
+    ckpt.save_step(TrainState(step=15, consumed=120), {}, None, model, optimizer, final=False, in_memory=True)
+    ckpt.close()
+    assert [step for step, _ in store._folders()] == [15, 16]

@@ -38,7 +38,7 @@ KEYS = {
     "val": ["step", "val_loss"],  # trainer.py
     "samples": ["step", "samples"],  # trainer.py
     "checkpoint": ["step", "stall_s", "final"],  # checkpointer.py
-    "memory_checkpoint": ["step", "stall_s", "bytes"],  # checkpointer.py
+    "memory_checkpoint": ["step", "stall_s", "bytes", "write_s"],  # checkpointer.py
     "kept": ["step", "uri"],  # checkpointer.py
     "warning": ["step", "message"],  # checkpointer.py
     "failure": ["step", "rank", "node", "message"],  # watchdog.py, ray_worker.py; the final one below
