@@ -7,16 +7,23 @@ the blocks use, so it fails where the blocks would fail for want of a toolchain,
 outside any collective. Every rank must take the same path (a rank that fell back alone would
 compute with other kernels than its TP peers), so the ranks agree: eager if any rank failed.
 A model-specific compile error is not caught: it is the same on every rank, and a bug to report.
+A probe that has not finished by its deadline (a compiler that hangs) counts as failed: the
+model's own compile would hang too, and nothing waits for ever.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from rayllm.parallel.apply import should_compile
+
+# A first Inductor build takes seconds to a minute (longer on a busy node); the tests shorten it.
+PROBE_TIMEOUT_S = float(os.environ.get("RAYLLM_COMPILE_PROBE_TIMEOUT_S", "300"))
 
 
 @dataclass(frozen=True)
@@ -27,9 +34,20 @@ class CompileChoice:
     fallback: str | None = None  # the cause, when compile was asked for and eager was agreed
 
 
-def probe(device: torch.device) -> str | None:
-    """None when Inductor can build and run a forward and backward on ``device``; else the cause
-    in one line."""
+def probe(device: torch.device, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when Inductor can build and run a forward and backward on ``device`` within
+    ``timeout_s``; else the cause in one line. The build runs in a daemon thread, left behind
+    if it hangs (the run goes on eager and never compiles)."""
+    box: list[str | None] = []
+    thread = threading.Thread(target=lambda: box.append(_build_and_run(device)), daemon=True, name="compile-probe")
+    thread.start()
+    thread.join(timeout_s)
+    if not box:
+        return f"a test compile did not finish in {timeout_s:.0f} s (a compiler that hangs?)"
+    return box[0]
+
+
+def _build_and_run(device: torch.device) -> str | None:
     try:
         x = torch.randn(16, device=device, requires_grad=True)  # (16,)
         # A fresh function each call: a cached graph would skip the build being probed.
