@@ -121,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="memory per GPU of a config's step, and the mesh/micro-batch to use")
     plan.add_argument("config", help="YAML config, for example configs/llama-8b.yaml")
     plan.add_argument("overrides", nargs="*", help="dotted overrides, for example data.seq_len=4096")
-    plan.add_argument("--gpu", help="h100-80gb, h200, a100-80gb or l40s (default: CPU ranks, fp32)")
+    plan.add_argument(
+        "--gpu", help="h100-80gb, h100-80gb-tcpx (GCP a3), h200, a100-80gb or l40s (default: CPU ranks, fp32)"
+    )
     plan.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8; CPU: cluster.num_workers)")
     plan.add_argument("--micro-batch", type=int, help="sequences per micro-batch (default: train.micro_batch_size)")

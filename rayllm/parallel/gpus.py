@@ -22,6 +22,8 @@ GPUS: dict[str, GpuSpec] = {
     # H100 SXM5 80GB: 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s both ways; 8x400 Gb/s per node
     # (p5.48xlarge's 3,200 Gb/s EFA, DGX H100's ConnectX-7): 50 GB/s per GPU.
     "h100-80gb": GpuSpec("h100-80gb", 81559 * MIB, 989e12, 450e9, 50e9),
+    # The same H100 on GCP's a3-highgpu-8g: GPUDirect-TCPX over 4x200 Gb/s NICs per node, 12.5 GB/s per GPU.
+    "h100-80gb-tcpx": GpuSpec("h100-80gb-tcpx", 81559 * MIB, 989e12, 450e9, 12.5e9),
     # H200 SXM 141GB: the H100's compute and NVLink with 141 GB of HBM3e.
     "h200": GpuSpec("h200", 143771 * MIB, 989e12, 450e9, 50e9),
     # A100 SXM4 80GB: 312 TFLOP/s dense bf16, NVLink 3 at 600 GB/s both ways; DGX A100: 8x200 Gb/s HDR.

@@ -156,4 +156,4 @@ def test_plan_llama_70b_needs_tensor_parallelism():
 def test_plan_unknown_gpu_is_a_one_line_error(capsys):
     assert main(["plan", "configs/llama-8b.yaml", "--gpu", "h100"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "rayllm: error: unknown GPU 'h100'; choose one of: h100-80gb, h200, a100-80gb, l40s"
+    assert err == "rayllm: error: unknown GPU 'h100'; choose one of: h100-80gb, h100-80gb-tcpx, h200, a100-80gb, l40s"
