@@ -87,6 +87,25 @@ def torchrun_cmd(nproc: int, overrides: list[str], config: str = "configs/tiny.y
     ]
 
 
+def torchrun_probe(script: Path, nproc: int, out: Path, *args: str) -> list[dict]:
+    """A probe script (beside its test) on ``nproc`` torchrun ranks on loopback, each writing
+    ``rank<r>.json`` under ``out`` (its ``PROBE_OUT``): the records, by rank."""
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script),
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PROBE_OUT": str(out)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
 def torchrun_records(
     nproc: int, overrides: list[str], env: dict[str, str] | None = None, fails: bool = False
 ) -> list[dict]:

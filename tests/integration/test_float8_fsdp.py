@@ -7,34 +7,16 @@ styles cast a block's input to float8 before its all-gather."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import torchrun_probe
 
 PROBE = Path(__file__).with_name("float8_probe.py")
 
 
 def _probe(tmp_path: Path, float8: str) -> list[dict]:
-    out = tmp_path / f"float8-{float8}"
-    out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(PROBE),
-        float8,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PROBE_OUT": str(out)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return torchrun_probe(PROBE, 2, tmp_path / f"float8-{float8}", float8)
 
 
 def test_float8_under_fsdp_gathers_float8_weights_with_precomputed_scales_and_keeps_the_loss(tmp_path):

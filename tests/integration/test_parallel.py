@@ -3,14 +3,10 @@ torchrun gloo groups on CPU, fp32, and checkpoints reshard from any layout to an
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import free_port, losses, quiet_run, torchrun_records
+from helpers import losses, quiet_run, torchrun_probe, torchrun_records
 
 LEG_STEPS = 5
 # name: (ranks, overrides, the layout the run reports). Global batch 8: HSDP accumulates 2
@@ -65,21 +61,7 @@ PROBE = Path(__file__).with_name("parallel_probe.py")
 
 def probe(tmp_path, *args: str) -> list[dict]:
     """parallel_probe.py (beside this file) on 4 torchrun ranks: one record per rank."""
-    out = tmp_path / "-".join(args)
-    out.mkdir()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=4",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(PROBE),
-        *args,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "PROBE_OUT": str(out)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return torchrun_probe(PROBE, 4, tmp_path / "-".join(args), *args)
 
 
 def test_init_and_accumulation_hold_a_ranks_share_of_the_model(tmp_path):
