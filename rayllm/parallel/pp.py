@@ -1,0 +1,97 @@
+"""Pipeline stages: which layers each stage of the plain Llama holds, balanced by compute.
+
+The embedding goes with the first stage and the final norm and head with the last (torchtitan's
+split too). Unlike a split by layer count, each part is weighed by its training FLOPs per token:
+the head's matmul is worth 2-3 blocks at 8B-70B (vocabulary 128k), so the last stage takes fewer
+blocks. Stages are contiguous runs of layers, found by a small exact search (layers <= a few
+hundred, stages <= a few dozen), not a greedy fill that can leave the last stage heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rayllm.errors import ConfigError
+from rayllm.model.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One pipeline stage's share of the plain model; its parameters keep the plain model's names."""
+
+    index: int
+    layers: range  # global block indices, contiguous
+    first: bool  # holds the token embedding
+    last: bool  # holds the final norm and the output head
+
+    def holds(self, name: str) -> bool:
+        """Whether the plain model's parameter ``name`` belongs to this stage."""
+        if name.startswith("tok_embeddings."):
+            return self.first
+        if name.startswith(("norm.", "output.")):
+            return self.last
+        return int(name.split(".")[1]) in self.layers  # layers.<i>.…
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """Training FLOPs per token of each part (6 x matmul weights, plus attention's own)."""
+
+    block: float
+    head: float
+    embedding: float = 0.0  # a lookup: no matmul
+
+
+def part_costs(shape: ModelShape, seq_len: int) -> PartCosts:
+    """What each part costs per token: the same terms as ``flops_per_token``, split by part."""
+    d, kv = shape.dim, shape.n_kv_heads * shape.head_dim
+    block_weights = d * d * 2 + d * kv * 2 + 3 * d * shape.hidden_dim  # wq, wo; wk, wv; w1, w2, w3
+    return PartCosts(block=6.0 * block_weights + 12.0 * d * seq_len, head=6.0 * d * shape.vocab_size)
+
+
+def split_stages(shape: ModelShape, stages: int, seq_len: int) -> list[StagePart]:
+    """``stages`` contiguous parts of the model whose heaviest stage is as light as it can be.
+    Refuses, naming the fix, a split that would leave a stage without a block."""
+    n = shape.n_layers
+    if stages < 1:
+        raise ConfigError(f"parallel.pp must be at least 1, got {stages}")
+    if stages > n:
+        raise ConfigError(
+            f"parallel.pp={stages} stages need at least one of the model's {n} layers each: "
+            f"set parallel.pp to at most {n}"
+        )
+    costs = part_costs(shape, seq_len)
+    bounds = _balanced_bounds(n, stages, costs)
+    return [
+        StagePart(index=s, layers=range(bounds[s], bounds[s + 1]), first=s == 0, last=s == stages - 1)
+        for s in range(stages)
+    ]
+
+
+def stage_cost(part: StagePart, costs: PartCosts) -> float:
+    return len(part.layers) * costs.block + costs.embedding * part.first + costs.head * part.last
+
+
+def _balanced_bounds(n: int, stages: int, costs: PartCosts) -> list[int]:
+    """Cut points 0 = b0 < b1 < ... < b_stages = n minimising the heaviest stage (then the
+    earliest stages lighter, which hold more micro-batches' activations under 1F1B)."""
+
+    def cost(stage: int, lo: int, hi: int) -> float:
+        extra = costs.embedding * (stage == 0) + costs.head * (stage == stages - 1)
+        return (hi - lo) * costs.block + extra
+
+    # best[s][i]: (heaviest stage, cut list) for the first i layers in s + 1 stages.
+    best: list[list[tuple[float, list[int]] | None]] = [[None] * (n + 1) for _ in range(stages)]
+    for i in range(1, n + 1):
+        best[0][i] = (cost(0, 0, i), [0, i])
+    for s in range(1, stages):
+        for i in range(s + 1, n + 1):
+            options = []
+            for j in range(s, i):  # stage s holds layers j..i-1
+                prior = best[s - 1][j]
+                if prior is not None:
+                    options.append((max(prior[0], cost(s, j, i)), j, prior[1] + [i]))
+            # Ties: the earlier cut, so earlier stages hold no more than later ones.
+            heaviest, _, cuts = min(options)
+            best[s][i] = (heaviest, cuts)
+    return best[stages - 1][n][1]

@@ -1,0 +1,79 @@
+"""Pipeline stages (parallel/pp.py): every layer in exactly one stage, contiguous, the embedding
+with the first and the head with the last, balanced by each part's FLOPs (the exact optimum, checked
+against every possible split), and a split that would leave a stage empty refused by name."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rayllm.config import TrainConfig
+from rayllm.errors import ConfigError
+from rayllm.model.llama import Llama
+from rayllm.model.shape import ModelArgs, ModelShape
+from rayllm.parallel.pp import part_costs, split_stages, stage_cost
+
+
+def _shape(name: str) -> ModelShape:
+    return TrainConfig.from_yaml(f"configs/{name}.yaml").model
+
+
+def test_stages_cover_every_layer_once_in_order_with_embedding_first_and_head_last():
+    parts = split_stages(_shape("llama-8b"), 4, seq_len=8192)
+    assert [p.index for p in parts] == [0, 1, 2, 3]
+    assert [i for p in parts for i in p.layers] == list(range(32))
+    assert [(p.first, p.last) for p in parts] == [(True, False), (False, False), (False, False), (False, True)]
+
+
+def test_the_head_weighs_as_blocks_do_so_the_last_stage_holds_fewer():
+    shape = _shape("llama-8b")
+    costs = part_costs(shape, 8192)
+    assert 1.5 < costs.head / costs.block < 3  # 4096 x 128256 against a block's weights and attention
+    parts = split_stages(shape, 4, seq_len=8192)
+    assert len(parts[-1].layers) < len(parts[0].layers)
+    heaviest = max(stage_cost(p, costs) for p in parts)
+    ideal = (32 * costs.block + costs.head) / 4
+    assert ideal <= heaviest < ideal + costs.block
+
+
+@pytest.mark.parametrize(("n_layers", "stages", "vocab"), [(7, 3, 50_000), (9, 4, 4096), (6, 2, 200_000), (5, 5, 4096)])
+def test_the_split_is_the_best_possible(n_layers, stages, vocab):
+    """Against every way to cut n layers into contiguous non-empty stages."""
+    shape = ModelShape(dim=256, n_layers=n_layers, n_heads=4, n_kv_heads=2, vocab_size=vocab)
+    costs = part_costs(shape, 512)
+    parts = split_stages(shape, stages, seq_len=512)
+    found = max(stage_cost(p, costs) for p in parts)
+
+    def heaviest(cuts):
+        bounds = [0, *cuts, n_layers]
+        loads = [(bounds[s + 1] - bounds[s]) * costs.block for s in range(stages)]
+        loads[-1] += costs.head
+        return max(loads)
+
+    best = min(heaviest(c) for c in itertools.combinations(range(1, n_layers), stages - 1))
+    assert found == pytest.approx(best)
+    assert all(len(p.layers) >= 1 for p in parts)
+
+
+def test_a_small_vocabulary_splits_evenly():
+    shape = ModelShape(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256)
+    assert [list(p.layers) for p in split_stages(shape, 2, seq_len=64)] == [[0, 1], [2, 3]]
+
+
+def test_every_parameter_of_the_plain_model_belongs_to_exactly_one_stage():
+    args = ModelArgs(dim=64, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=64)
+    with torch.device("meta"):
+        names = [name for name, _ in Llama(args).named_parameters()]
+    parts = split_stages(args, 3, seq_len=64)
+    for name in names:
+        assert sum(p.holds(name) for p in parts) == 1, name
+
+
+def test_more_stages_than_layers_is_refused_naming_the_fix():
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.pp=5 stages need at least one of the model's 4 layers each: set parallel.pp to at most 4",
+    ):
+        split_stages(ModelShape(n_layers=4), 5, seq_len=64)
