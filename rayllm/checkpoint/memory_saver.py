@@ -76,7 +76,8 @@ class MemorySaver:
         fs = self.store.fs
         held = fs.usage(self.store.root) if hasattr(fs, "usage") else fs.du(self.store.root)
         write_s = time.perf_counter() - ckpt.started
-        self.session.emit(events.MemoryCheckpoint(step=step, stall_s=ckpt.stall_s, nbytes=held, write_s=write_s))
+        stall_s = ckpt.stall_s if self.background else write_s  # written in the loop: it waited throughout
+        self.session.emit(events.MemoryCheckpoint(step=step, stall_s=stall_s, nbytes=held, write_s=write_s))
 
     def wait_copied(self) -> None:
         """Before the weights change: the pending save's copy to CPU memory (its stall)."""
