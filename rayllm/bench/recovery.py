@@ -46,11 +46,17 @@ class Result:
     # Seconds from the kill to each stage of the new attempt's start-up (rank 0's clock).
     stages: dict[str, float] = dataclasses.field(default_factory=dict)
     stream_kept: bool | None = None  # the restart was served from the running data stream
+    memory_stall_s: float | None = None  # an in-memory save's cost to the loop, median
+    memory_write_s: float | None = None  # ... its time from start to marker, median (off the loop)
 
     @property
     def steps_lost(self) -> int:
         """Steps trained again: from the checkpoint resumed to the killed step."""
         return self.killed_after_step - self.resumed_from_step
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def _latest_step(run_dir: str) -> int:
@@ -113,6 +119,7 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
     first_after = next(r for r in after if r["kind"] == "first_step")
     marks = {**first_after.get("phases", {}), "started": restart["time"]}
     stages = {name: marks[key] - killed_at for key, name in STAGES.items() if marks.get(key) is not None}
+    saves = [r for r in records if r["kind"] == "memory_checkpoint"]
     return Result(
         world_size=restart["world_size"],
         killed_after_step=killed_step,
@@ -121,9 +128,11 @@ def run(config: TrainConfig, kill_after: int = 10, timeout_s: float = 900.0) -> 
         restart_s=restart["time"] - killed_at,
         next_step_s=steps_after[0]["time"] - killed_at,
         caught_up_s=caught_up["time"] - killed_at,
-        step_time_s=sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
+        step_time_s=_median(step_times) or float("nan"),
         stages=stages,
         stream_kept=first_after.get("stream_kept"),
+        memory_stall_s=_median([r["stall_s"] for r in saves]),
+        memory_write_s=_median([r["write_s"] for r in saves if r.get("write_s") is not None]),
     )
 
 
@@ -142,13 +151,21 @@ STAGES = {
 
 
 def compare(config: TrainConfig, kill_after: int = 10, memory_every: int = 1) -> list[tuple[str, Result]]:
-    """The same kill twice, each run in a folder of its own under run.dir: storage checkpoints
-    only, then with in-memory checkpoints every ``memory_every`` steps as well."""
+    """The same kill three times, each run in a folder of its own under run.dir: storage
+    checkpoints only; with in-memory checkpoints every ``memory_every`` steps as well, written in
+    the background; and the same written in the loop (train.async_checkpoint: false, which makes
+    the stored ones synchronous too)."""
     runs = []
-    for label, every in [("storage only", None), (f"in memory every {memory_every}", memory_every)]:
+    variants = [
+        ("storage only", "storage", None, True),
+        (f"in memory every {memory_every}", "memory", memory_every, True),
+        ("... written in the loop", "memory-sync", memory_every, False),
+    ]
+    for label, folder, every, background in variants:
         each = copy.deepcopy(config)
-        each.run.dir = f"{config.run.dir.rstrip('/')}/{'memory' if every else 'storage'}"
+        each.run.dir = f"{config.run.dir.rstrip('/')}/{folder}"
         each.train.memory_checkpoint_every = every
+        each.train.async_checkpoint = background and config.train.async_checkpoint
         runs.append((label, run(each, kill_after)))
     return runs
 
@@ -164,6 +181,8 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
         ("kill -> past the killed step", lambda r: f"{r.caught_up_s:.1f} s"),
         ("cold start -> first step", lambda r: f"{r.cold_start_s:.1f} s"),
         ("one step (median)", lambda r: f"{r.step_time_s:.2f} s"),
+        ("in-memory save: stall (median)", _seconds("memory_stall_s")),
+        ("in-memory save: marked after (median)", _seconds("memory_write_s")),
     ]
     width = max(len(label) for label, _ in runs) + 2
     lines = [
@@ -174,6 +193,10 @@ def format_comparison(runs: list[tuple[str, Result]]) -> str:
     for name, cell in rows:
         lines.append(f"  {name:<38}" + "".join(f"{cell(r):>{width}}" for _, r in runs))
     return "\n".join(lines)
+
+
+def _seconds(field: str):
+    return lambda r: "-" if getattr(r, field) is None else f"{getattr(r, field):.3f} s"
 
 
 def _stage(name: str):
