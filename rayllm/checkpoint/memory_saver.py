@@ -68,7 +68,7 @@ class MemorySaver:
             self.finish()
 
     def _mark_when_written(self, ckpt: PendingCheckpoint) -> None:
-        """Rank 0's marker thread: once every rank's part is held, the marker; one folder kept."""
+        """Rank 0's marker thread: once every rank's part is held, the marker; earlier folders go."""
         ckpt.written.result()  # raises the write's error here too: then no marker
         step = ckpt.step
         self.store.mark_complete(step, self.session.world_size, owner=self.owner)

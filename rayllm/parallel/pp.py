@@ -5,6 +5,9 @@ split too). Unlike a split by layer count, each part is weighed by its training 
 the head's matmul is worth 2-3 blocks at 8B-70B (vocabulary 128k), so the last stage takes fewer
 blocks. Stages are contiguous runs of layers, found by a small exact search (layers <= a few
 hundred, stages <= a few dozen), not a greedy fill that can leave the last stage heavy.
+
+``schedule_costs`` gives the planner a schedule's bubble and each rank's peak of held
+activations, checked against torch's own Interleaved1F1B order in the tests.
 """
 
 from __future__ import annotations
@@ -95,3 +98,35 @@ def _balanced_bounds(n: int, stages: int, costs: PartCosts) -> list[int]:
             heaviest, _, cuts = min(options)
             best[s][i] = (heaviest, cuts)
     return best[stages - 1][n][1]
+
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # those the planner can cost so far
+
+
+@dataclass(frozen=True)
+class ScheduleCosts:
+    """What a pipeline schedule costs a step, for the planner."""
+
+    bubble: float  # the fraction of a step each rank idles: fill and drain (textbook, B = 2F)
+    in_flight: list[float]  # per pp rank: micro-batches whose activations it holds at its peak,
+    # in units of one micro-batch through all of that rank's layers
+
+
+def schedule_costs(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> ScheduleCosts:
+    """The bubble and each rank's peak of held activations under ``schedule`` (torch 2.13's:
+    GPipe runs every forward first; 1F1B's stage s warms up with min(m, pp - s) forwards;
+    Interleaved1F1B warms up (v - 1) x (micro-batches per round) + 2 (pp - 1 - rank) chunks of
+    1/v of the rank's layers, torch's _get_warmup_ops)."""
+    m, v = microbatches, stages_per_rank
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"the planner knows the pipeline schedules {', '.join(SCHEDULES)}, not {schedule!r}")
+    if schedule != "Interleaved1F1B" and v != 1:
+        raise ConfigError(f"{schedule} runs one stage per rank, got {v}")
+    if schedule == "GPipe":
+        return ScheduleCosts(bubble=(pp - 1) / (m + pp - 1), in_flight=[float(m)] * pp)
+    if schedule == "1F1B":
+        return ScheduleCosts(bubble=(pp - 1) / (m + pp - 1), in_flight=[float(min(m, pp - r)) for r in range(pp)])
+    per_round = m // max(1, m // pp)
+    warmup = [min((v - 1) * per_round + 2 * (pp - 1 - r), m * v) for r in range(pp)]
+    in_flight = [min(w + 1, m * v) / v for w in warmup]  # the first steady forward comes before a backward
+    return ScheduleCosts(bubble=(pp - 1) / (v * m + pp - 1), in_flight=in_flight)

@@ -13,7 +13,7 @@ from rayllm.config import TrainConfig
 from rayllm.errors import ConfigError
 from rayllm.model.llama import Llama
 from rayllm.model.shape import ModelArgs, ModelShape
-from rayllm.parallel.pp import part_costs, split_stages, stage_cost
+from rayllm.parallel.pp import part_costs, schedule_costs, split_stages, stage_cost
 
 
 def _shape(name: str) -> ModelShape:
@@ -77,3 +77,41 @@ def test_more_stages_than_layers_is_refused_naming_the_fix():
         match=r"parallel.pp=5 stages need at least one of the model's 4 layers each: set parallel.pp to at most 4",
     ):
         split_stages(ModelShape(n_layers=4), 5, seq_len=64)
+
+
+def _torch_interleaved_peaks(pp: int, m: int, v: int) -> list[float]:
+    """Each rank's peak of forward chunks awaiting their backward, in torch's own Interleaved1F1B
+    order (its per-rank action list, computed as its constructor does, without stages)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    order = object.__new__(ScheduleInterleaved1F1B)
+    order.n_local_stages, order.pp_group_size, order._n_microbatches = v, pp, m
+    order.number_of_rounds = max(1, m // pp)
+    order.microbatches_per_round = m // order.number_of_rounds
+    peaks = []
+    for rank in range(pp):
+        held = peak = 0
+        for action in order._calculate_single_rank_operations(rank):
+            if action is None:
+                continue
+            if action.computation_type == _ComputationType.FORWARD:
+                held += 1
+            elif action.computation_type in (_ComputationType.FULL_BACKWARD, _ComputationType.BACKWARD_INPUT):
+                held -= 1
+            peak = max(peak, held)
+        peaks.append(peak / v)
+    return peaks
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 16, 4), (8, 8, 2), (4, 4, 1)])
+def test_interleaved_peaks_are_torchs_own(pp, m, v):
+    assert schedule_costs("Interleaved1F1B", pp, m, v).in_flight == _torch_interleaved_peaks(pp, m, v)
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe_and_the_bubble_shrinks_with_more():
+    one_f, gpipe = schedule_costs("1F1B", 4, 16), schedule_costs("GPipe", 4, 16)
+    assert one_f.in_flight == [4, 3, 2, 1] and gpipe.in_flight == [16] * 4
+    assert one_f.bubble == pytest.approx(3 / 19)
+    assert schedule_costs("Interleaved1F1B", 4, 16, 2).bubble == pytest.approx(3 / 35)
+    with pytest.raises(ConfigError, match="the planner knows the pipeline schedules"):
+        schedule_costs("ZBVZeroBubble", 4, 16, 2)
