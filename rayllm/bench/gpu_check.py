@@ -58,7 +58,7 @@ def rope_dtypes(device: torch.device) -> list[str]:
         model = Llama(model_args(config))
     model = parallelize(model, dtype=torch.bfloat16, layout=Layout(), device=device)
     seen: list[str] = []
-    model.layers[0].register_forward_pre_hook(lambda _m, args: seen.extend(str(a.dtype) for a in args))
+    model.layers["0"].register_forward_pre_hook(lambda _m, args: seen.extend(str(a.dtype) for a in args))
     tokens = torch.randint(0, config.model.vocab_size, (1, 33), device=device)
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     return [s.removeprefix("torch.") for s in seen]

@@ -179,7 +179,9 @@ class Llama(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        # Keyed by global index (the same names as a list's): a pipeline stage deletes the blocks it
+        # does not hold and the rest keep the plain model's names (rayllm.parallel.pp).
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -209,17 +211,21 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab); with targets (B, T), the mean cross-entropy instead.
 
-        With a ``cache``, tokens continue the positions already in it (and are added to it)."""
+        With a ``cache``, tokens continue the positions already in it (and are added to it). A
+        pipeline stage (rayllm.parallel.pp) lacks some parts: without the embedding it takes the
+        previous stage's hidden states (B, T, dim), without the head it returns its own."""
         T = tokens.shape[1]
         start = cache.length if cache is not None else 0
         if start + T > self.args.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds the model's max_seq_len {self.args.max_seq_len}")
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(i))
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
+        for key, layer in self.layers.items():
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(int(key)))
         if cache is not None:
             cache.length += T
+        if self.output is None:
+            return h  # (B, T, dim) for the next stage
         logits = self.output(self.norm(h))  # (B, T, vocab)
         # The norm and the head are an FSDP unit of their own (rayllm.parallel.fsdp), whose hooks
         # must stay outside compiled code: under train.compile only loss_fn is compiled.

@@ -95,7 +95,7 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool | str, compi
     FSDP wraps it; under compile the loss too."""
     mode = checkpoint_mode(activation_checkpointing)
     layers = model.layers
-    for i, block in enumerate(layers):
+    for key, block in list(layers.items()):
         if mode == "full" and compile and tp > 1:
             # Compiling a fully checkpointed TP block fails (torch 2.13: AOTAutograd saves the
             # DTensor's DeviceMesh among the tensors; selective checkpointing compiles), so the
@@ -110,7 +110,7 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool | str, compi
                 # Per block, as torchtitan does: every block has the same code, so one compiled
                 # graph serves all of them, and FSDP's hooks stay outside the compiled region.
                 block = torch.compile(block, fullgraph=True)
-        layers[i] = block
+        layers[key] = block
     if compile and tp > 1:
         settle_embedding_output(model)
     if compile and tp == 1:

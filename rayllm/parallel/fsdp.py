@@ -50,7 +50,7 @@ def forward_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     with the head. Each is gathered only while it computes, so the root holds nothing that stays
     gathered through the whole step (torchtitan's units). Tied embeddings share one weight
     between the first and the last unit: it stays in the root, gathered throughout."""
-    layers = list(model.layers)
+    layers = list(model.layers.values())
     if model.args.tie_embeddings:
         return layers
     return [model.tok_embeddings, *layers, [model.norm, model.output]]

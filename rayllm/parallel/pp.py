@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from rayllm.errors import ConfigError
 from rayllm.model.shape import ModelShape
 
@@ -69,6 +71,21 @@ def split_stages(shape: ModelShape, stages: int, seq_len: int) -> list[StagePart
         StagePart(index=s, layers=range(bounds[s], bounds[s + 1]), first=s == 0, last=s == stages - 1)
         for s in range(stages)
     ]
+
+
+def keep_stage(model: nn.Module, part: StagePart) -> nn.Module:
+    """In place (on the meta device, before anything is allocated): the plain Llama reduced to
+    ``part``. The blocks it keeps keep their global names, so a stage's state dict is a slice of
+    the plain model's and checkpoints reshard across pipeline layouts."""
+    for key in list(model.layers.keys()):
+        if int(key) not in part.layers:
+            del model.layers[key]
+    if not part.first:
+        model.tok_embeddings = None
+    if not part.last:
+        model.norm = None
+        model.output = None
+    return model
 
 
 def stage_cost(part: StagePart, costs: PartCosts) -> float:

@@ -41,7 +41,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, float8: bool = False) -> None:
         },
     )
     colwise, rowwise, prepare_input = _block_styles(float8)
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(
             block,
             mesh,

@@ -42,7 +42,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    wq = model.layers[0].attention.wq
+    wq = model.layers["0"].attention.wq
     local = wq.weight._local_tensor  # not to_local(): a new wrapper, without the precomputed scale
     out = {
         "losses": losses,

@@ -73,7 +73,7 @@ def main() -> None:
     model = parallelize(model, dtype=torch.float32, layout=Layout(dp_shard=world))
     out = {"rank": dist.get_rank(), "world": world, "full_bytes": 4 * num_params(model)}
     out["largest_bytes"] = 4 * max(p.numel() for p in model.parameters())
-    out["block_bytes"] = 4 * sum(p.numel() for p in model.layers[0].parameters())
+    out["block_bytes"] = 4 * sum(p.numel() for p in model.layers["0"].parameters())
     out["init_gain"] = peak_resident_bytes() - before
     if mode == "accumulate":
         how = sys.argv[2]

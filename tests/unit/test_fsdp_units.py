@@ -35,20 +35,20 @@ def _model(tied: bool, dtype: torch.dtype) -> Llama:
 def test_under_a_bf16_policy_blocks_get_bf16_activations_and_fp32_rope_tables(one_rank):
     model = _model(tied=False, dtype=torch.bfloat16)
     seen = []
-    for block in model.layers:  # registered after FSDP's own hook: sees what FSDP passes on
+    for block in model.layers.values():  # registered after FSDP's own hook: sees what FSDP passes on
         block.register_forward_pre_hook(lambda _m, args: seen.append([a.dtype for a in args]))
     tokens = torch.randint(0, ARGS["vocab_size"], (2, 17))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     assert seen == [[torch.bfloat16, torch.float32, torch.float32]] * 2, seen
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
-    assert model.layers[0].attention.wq.weight.grad.dtype == torch.float32  # the master copy's
+    assert model.layers["0"].attention.wq.weight.grad.dtype == torch.float32  # the master copy's
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_embedding_and_the_head_are_units_of_their_own_unless_tied(one_rank, tied):
     model = _model(tied=tied, dtype=torch.bfloat16)
-    assert all(isinstance(block, FSDPModule) for block in model.layers)
+    assert all(isinstance(block, FSDPModule) for block in model.layers.values())
     for module in (model.tok_embeddings, model.norm, model.output):
         assert isinstance(module, FSDPModule) is not tied, module
     with torch.device("meta"):

@@ -115,3 +115,23 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe_and_the_bubble_shrinks_with_m
     assert schedule_costs("Interleaved1F1B", 4, 16, 2).bubble == pytest.approx(3 / 35)
     with pytest.raises(ConfigError, match="the planner knows the pipeline schedules"):
         schedule_costs("ZBVZeroBubble", 4, 16, 2)
+
+
+def test_stages_run_one_after_another_give_the_plain_models_loss_and_its_names():
+    import copy
+
+    from rayllm.parallel.pp import keep_stage
+
+    args = ModelArgs(dim=64, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=32)
+    torch.manual_seed(0)
+    model = Llama(args, seed=3)
+    tokens, targets = torch.randint(0, 512, (2, 32)), torch.randint(0, 512, (2, 32))
+    parts = split_stages(args, 3, seq_len=32)
+    stages = [keep_stage(copy.deepcopy(model), part) for part in parts]
+    h = tokens
+    for stage in stages[:-1]:
+        h = stage(h)  # (B, T, dim) between stages
+        assert h.shape == (2, 32, 64)
+    assert torch.equal(stages[-1](h, targets), model(tokens, targets))
+    names = [set(stage.state_dict()) for stage in stages]
+    assert set().union(*names) == set(model.state_dict()) and sum(map(len, names)) == len(model.state_dict())
