@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from rayllm.data.order import DataState, StreamSpec, open_stream, rank_slice
+from rayllm.data.order import DataSlicing, DataState, StreamSpec, open_stream, rank_slice
 from rayllm.data.source import RECORD_DTYPE_FIELDS, SourceSpec
 from rayllm.io.settings import StorageSettings
 
@@ -214,7 +214,7 @@ def _one(design: str, plan: StreamSpec | int, world: int, steps: int, consumers:
             .options(num_cpus=0, max_concurrency=10_000)
             .remote(global_batch, parallelism, 0, SERVER_DEPTH)
         )
-        ray.get(server.begin.remote(1, DataState().to_dict(), 0, world, world, per_node, plan), timeout=120)
+        ray.get(server.begin.remote(1, DataState().to_dict(), 0, DataSlicing(world), per_node, plan), timeout=120)
     # Whole nodes per consumer process, as a node's ranks share its relay.
     nodes = [list(range(n, min(world, n + per_node))) for n in range(0, world, per_node)]
     actors = [ray.remote(Consumer).options(num_cpus=0).remote() for _ in range(min(consumers, len(nodes)))]

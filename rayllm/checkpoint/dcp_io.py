@@ -148,8 +148,15 @@ def load(uri: str, storage: StorageSettings, model: nn.Module, optimizer: Optimi
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_model_shapes(reader(uri, storage), uri, model_sd, retry_deadline_s=storage.retry_deadline_s)
     state_dict = {"model": model_sd, "optim": optim_sd}
+    # Each rank's own parameter names in each group: a checkpoint stores one rank's lists (DCP keeps
+    # one copy of a value that is not a tensor), and the stages of a pipeline hold different
+    # parameters, so another layout's ranks would find no group for theirs. The groups' other
+    # settings are the same on every rank.
+    own_names = [group["params"] for group in optim_sd["param_groups"]]
     with transient_as_unavailable(f"reading checkpoint {uri}"):
         dcp.load(state_dict, storage_reader=reader(uri, storage))
+    for group, names in zip(state_dict["optim"]["param_groups"], own_names, strict=True):
+        group["params"] = names
     set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
 
 

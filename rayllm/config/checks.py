@@ -25,7 +25,8 @@ from rayllm.config.sections import (
 from rayllm.errors import ConfigError
 from rayllm.io.credentials import redact_url
 from rayllm.io.settings import StorageSettings
-from rayllm.parallel.layout import check_model_split, checkpoint_mode, resolve_layout
+from rayllm.parallel.layout import check_model_split, checkpoint_mode, compiles, resolve_layout
+from rayllm.parallel.pp import plan_pipeline
 
 
 def check_batch_split(global_batch: int, micro_batch: int, data_ranks: int) -> int:
@@ -97,6 +98,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "data.wait_timeout_s": (_SECONDS, "set how long a rank waits for its next batch, for example 300"),
     "model.dim": (_COUNT, "set the model width, for example 256"),
     "model.n_layers": (_COUNT, "set the number of transformer blocks, for example 4"),
+    "parallel.pp": (_COUNT, "set the pipeline stages, for example 1 (no pipeline) or 4"),
     "model.n_heads": (_COUNT, "set the attention heads, for example 8"),
     "model.n_kv_heads": (_COUNT, "set the key/value heads (model.n_heads for no grouping), for example 4"),
     "model.vocab_size": (Range(2), "set at least the tokenizer's size (EOS and one more token), for example 4096"),
@@ -321,12 +323,16 @@ def check_parallel(
     m: ModelSettings,
     seq_len: int,
     worker_range: tuple[int, int],
+    use_gpu: bool = False,
 ) -> None:
-    """The layout must fit the smallest and the largest world, and split the batch and the model."""
+    """The layout must fit the smallest and the largest world, and split the batch and the model
+    (and, under parallel.pp, make a pipeline torch's schedule runs)."""
     lo, hi = worker_range
     for n in sorted({lo, hi}):
         layout = resolve_layout(p, n)
-        check_batch_split(t.global_batch_size, t.micro_batch_size, layout.dp)
+        accum = check_batch_split(t.global_batch_size, t.micro_batch_size, layout.dp)
+        if layout.pp > 1:
+            plan_pipeline(p, accum, m.n_layers, compiles(t.compile, use_gpu))
         check_model_split(
             layout,
             n_heads=m.n_heads,

@@ -157,7 +157,7 @@ class TrainingSettings:
 
 @dataclass
 class ParallelSettings:
-    """How the ranks are laid out: dp_replicate x dp_shard x tp = the world (rayllm.parallel.mesh).
+    """How the ranks are laid out: pp x dp_replicate x dp_shard x tp = the world (rayllm.parallel.mesh).
 
     FSDP shards over dp_shard ranks; dp_replicate > 1 is HSDP (shard inside a group, usually a
     node, replicate across groups: all-gathers stay inside the node); tp > 1 splits every block's
@@ -169,6 +169,15 @@ class ParallelSettings:
     # dp_shard, what the world leaves (an elastic run then grows by whole dp_shard x tp groups).
     dp_replicate: int | str = "auto"
     tp: int | str = 1  # auto: 1, or the GPUs of a node for models too large to shard by FSDP alone
+    # Pipeline stages, the outermost axis (rayllm.parallel.pipeline): each stage holds contiguous
+    # layers (balanced by FLOPs) and world / pp ranks laid out by the degrees above.
+    pp: int = 1
+    # torch.distributed.pipelining's schedule by name: 1F1B, GPipe, Interleaved1F1B, LoopedBFS,
+    # InterleavedZeroBubble, ZBVZeroBubble or DualPipeV. Micro-batches per step: the accumulation
+    # steps the global batch implies (global / (micro x data-parallel ranks)).
+    pp_schedule: str = "1F1B"
+    # Stages each rank holds: auto is 1 for one-stage schedules (1F1B, GPipe), 2 for the others.
+    pp_stages_per_rank: int | str = "auto"
 
 
 @dataclass

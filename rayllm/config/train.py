@@ -69,5 +69,7 @@ class TrainConfig(RootConfig):
         check_model(self.model, shape=not self.model.init_from)
         check_train(self.train, self.cluster)
         check_cluster(self.cluster)
-        check_parallel(self.parallel, self.train, self.model, self.data.seq_len, self.worker_range)
+        check_parallel(
+            self.parallel, self.train, self.model, self.data.seq_len, self.worker_range, self.cluster.use_gpu
+        )
         check_tracking(self.tracking)

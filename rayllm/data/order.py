@@ -230,6 +230,29 @@ def step_batches(
         )
 
 
+@dataclass(frozen=True)
+class DataSlicing:
+    """How the ranks share each global batch: ranks row-major over (stages, slices,
+    ranks_per_slice), as rayllm.parallel.layout lays them out. The ``ranks_per_slice`` neighbours
+    (a TP group) train on the same rows, and so does each pipeline stage's rank of one replica."""
+
+    world_size: int
+    ranks_per_slice: int = 1
+    stages: int = 1
+
+    @property
+    def slices(self) -> int:
+        return self.world_size // (self.stages * self.ranks_per_slice)
+
+    def slice_of(self, rank: int) -> int:
+        return (rank % (self.world_size // self.stages)) // self.ranks_per_slice
+
+    def records(self, rank: int) -> bool:
+        """Whether ``rank`` counts its slice's sources and ids: one rank per slice, the first
+        stage's first rank of it (the others train on the same rows)."""
+        return rank < self.world_size // self.stages and rank % self.ranks_per_slice == 0
+
+
 def rank_slice(rows: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     per_rank = len(rows) // world_size
     return rows[rank * per_rank : (rank + 1) * per_rank]

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rayllm.data.order import DataState, StreamSpec
+from rayllm.data.order import DataSlicing, DataState, StreamSpec
 from rayllm.events import RunEvent
 
 
@@ -31,10 +31,10 @@ class Session(Protocol):
     val_spec: StreamSpec | None
 
     def train_batches(
-        self, state: DataState, consumed: int, ranks_per_slice: int
+        self, state: DataState, consumed: int, slicing: DataSlicing
     ) -> Iterator[tuple[np.ndarray, DataState]]:
         """This rank's rows of each global batch from ``consumed`` on, with the data state after each:
-        slice ``rank // ranks_per_slice`` of ``world_size // ranks_per_slice`` (TP peers share one)."""
+        slice ``slicing.slice_of(rank)`` of ``slicing.slices`` (TP peers and pipeline stages share one)."""
 
     prunes_checkpoints: bool  # whether rayllm deletes old checkpoints itself (Ray Train does its own)
     memory_root: str | None  # where in-memory checkpoints go (checkpoint/memory.py), None: none

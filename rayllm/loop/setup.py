@@ -4,14 +4,21 @@ model.init_from's folder converted once, and how many ranks each node runs."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from rayllm.checkpoint import hf_import
 from rayllm.config import TrainConfig
 from rayllm.loop.session import Session
-from rayllm.model import ModelArgs
+from rayllm.model import Llama, ModelArgs
+from rayllm.parallel.apply import parallelize
+from rayllm.parallel.layout import Layout
+from rayllm.parallel.mesh import build_mesh
+from rayllm.parallel.pipeline import Pipeline, build_pipeline
+from rayllm.parallel.pp import plan_pipeline
 
 
 def model_args(config: TrainConfig) -> ModelArgs:
@@ -33,3 +40,33 @@ def agreed_ranks_per_node(session: Session) -> int | None:
     t = torch.tensor([session.local_world_size, -session.local_world_size], dtype=torch.int64, device=session.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t[0]) if int(t[0]) == -int(t[1]) else None
+
+
+def parallel_model(
+    config: TrainConfig, layout: Layout, device: torch.device, dtype: torch.dtype, compile: bool, accum: int
+) -> tuple[nn.Module, Pipeline | None]:
+    """Collective: the model laid out over ``layout``'s ranks, built on ``meta`` and materialised
+    shard by shard (rayllm.parallel.apply), with no pipeline; or under ``parallel.pp`` this rank's
+    stages (their parts under the plain model's names) and the pipeline that runs them, one
+    micro-batch per accumulation step (``accum``)."""
+    t = config.train
+    args = model_args(config)
+    lay_out = functools.partial(
+        parallelize,
+        dtype=dtype,
+        layout=layout,
+        activation_checkpointing=t.activation_checkpointing,
+        cpu_offload=t.cpu_offload,
+        compile=compile,
+        float8=t.float8,
+        device=device,
+        seed=t.seed,
+    )
+    if layout.pp == 1:
+        with torch.device("meta"):  # nothing allocated: each rank materialises only its shards
+            model = Llama(args)
+        return lay_out(model), None
+    plan = plan_pipeline(config.parallel, accum, args.n_layers, compile)
+    mesh = build_mesh(layout, device.type)
+    pipeline = build_pipeline(args, plan, mesh, device, functools.partial(lay_out, mesh=mesh))
+    return pipeline.model, pipeline

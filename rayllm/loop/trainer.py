@@ -15,7 +15,6 @@ Components: MetricWindow (metrics.py), Validator (validation.py), DataLedger (le
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,28 +28,28 @@ from rayllm.checkpoint.checkpointer import Checkpointer, StepAgreement
 from rayllm.checkpoint.state import TrainState
 from rayllm.config import TrainConfig, check_batch_split
 from rayllm.data.fingerprint import DataFingerprint, fingerprint
-from rayllm.data.order import DataState
+from rayllm.data.order import DataSlicing, DataState
 from rayllm.data.prefetch import prefetched
 from rayllm.errors import RayllmError, WorkerPreempted
 from rayllm.hardware import keep_freed_memory, matmul_peak_flops
 from rayllm.loop import fault_injection as faults
 from rayllm.loop.data_resume import resume_data
+from rayllm.loop.forward_backward import forward_backward
 from rayllm.loop.gc_schedule import GarbageSchedule
 from rayllm.loop.ledger import DataLedger
-from rayllm.loop.metrics import MetricWindow, PeakFlops, all_nodes, all_sum, plain
+from rayllm.loop.metrics import MetricWindow, PeakFlops, all_nodes, all_sum
 from rayllm.loop.optimizer import build_optimizer, set_lr, step_if_finite
 from rayllm.loop.session import Session
-from rayllm.loop.setup import agreed_ranks_per_node, model_args
+from rayllm.loop.setup import agreed_ranks_per_node, model_args, parallel_model
 from rayllm.loop.unread import UnreadSteps, diverged
 from rayllm.loop.validation import Validator
 from rayllm.loop.watchdog import SLOW_PHASE_S, HangWatchdog
 from rayllm.model import Llama, flops_per_token, num_params
-from rayllm.parallel.apply import compute_dtype, parallelize
+from rayllm.parallel.apply import compute_dtype
 from rayllm.parallel.compile_probe import agree_on_compile
-from rayllm.parallel.fsdp import accumulate
 from rayllm.parallel.gpus import published_peak_flops
 from rayllm.parallel.layout import Layout, check_placement, resolve_layout
-from rayllm.parallel.tp import loss_context
+from rayllm.parallel.pipeline import clip_gradients
 
 # An in-memory save's deadline: the step's, or this many times the last save if longer.
 MEMORY_SAVE_FACTOR = 10.0
@@ -65,8 +64,7 @@ class Trainer:
         self.device = session.device
         self.args = model_args(config)
         with torch.device("meta"):  # nothing allocated: each rank materialises only its shards
-            model = Llama(self.args)
-        self.n_params = num_params(model)
+            self.n_params = num_params(Llama(self.args))
         self.layout: Layout = resolve_layout(
             config.parallel,
             session.world_size,
@@ -77,21 +75,15 @@ class Trainer:
         self.nodes = all_nodes(session.node)  # each rank's, in rank order
         check_placement(self.layout, self.nodes)  # before any group of the layout is made
         self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
-        self.data_rank = self.layout.data_rank(session.rank)
+        self.slicing = DataSlicing(session.world_size, ranks_per_slice=self.layout.tp, stages=self.layout.pp)
+        self.data_rank = self.slicing.slice_of(session.rank)
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.compile = agree_on_compile(t.compile, self.device)  # eager, with a warning, if it cannot work
-        self.model = parallelize(
-            model,
-            dtype=self.dtype,
-            layout=self.layout,
-            activation_checkpointing=t.activation_checkpointing,
-            cpu_offload=t.cpu_offload,
-            compile=self.compile.compile,
-            float8=t.float8,
-            device=self.device,
-            seed=t.seed,
+        # The whole model laid out over the ranks, or (parallel.pp) this rank's pipeline stages.
+        self.model, self.pipeline = parallel_model(
+            config, self.layout, self.device, self.dtype, self.compile.compile, self.accum
         )
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.step = 0
@@ -99,8 +91,8 @@ class Trainer:
         self.data_state = DataState()  # where the stream restarts (a window boundary <= consumed)
         self.data_fingerprint: DataFingerprint | None = None  # what data_state means something for (fit)
         self.data_origin = 0  # sequences trained on before the current data order began
-        # One rank of each TP group counts its slice's sources and ids: its peers train on the same rows.
-        keeps = session.rank % self.layout.tp == 0
+        # One rank of each data slice counts its sources and ids: its TP peers and later stages train on the same rows.
+        keeps = self.slicing.records(session.rank)
         self.ledger = DataLedger(len(session.train_spec.sources), keeps, config.data.record_ids)
         self.last_metrics: dict[str, Any] = {}
         self.restarts = 0
@@ -172,24 +164,11 @@ class Trainer:
         if self.device.type == "cuda":  # from pageable memory the copy would wait for the stream
             batch = batch.pin_memory()
         batch = batch.to(self.device, non_blocking=True).long()  # widened on the device, after the copy
-        micro = batch.split(t.micro_batch_size)
         set_lr(self.optimizer, self.step, self.config)
-        total = torch.zeros((), device=self.device)
-
-        def backward(rows_i: torch.Tensor) -> None:
-            nonlocal total
-            with loss_context(self.model):
-                loss = self.model(rows_i[:, :-1], rows_i[:, 1:]) / len(micro)  # mean cross-entropy, (B, T) each
-                if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
-                    loss = loss * faults.loss_scale(self.step + 1)
-                loss.backward()
-            total += plain(loss.detach())  # summed on the device
-
-        accumulate(self.model, micro, backward)
+        total = forward_backward(self.model, self.pipeline, batch, t.micro_batch_size, self.step)
         faults.maybe_hang(self.step + 1, self.session.rank)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        norm = clip_gradients(self.model.parameters(), max_norm, self.pipeline.group if self.pipeline else None)
         # The norm is global (every rank computes the same), so every rank skips the same steps;
         # a NaN or inf loss on any rank makes it non-finite through the gradients' reduction.
         finite = torch.isfinite(norm) & torch.isfinite(total)
@@ -236,9 +215,9 @@ class Trainer:
             self.checkpointer.close()
             return self.last_metrics
         fpt, peaks = self._announce_start()
-        batches = prefetched(session.train_batches(self.data_state, self.consumed - self.data_origin, self.layout.tp))
+        batches = prefetched(session.train_batches(self.data_state, self.consumed - self.data_origin, self.slicing))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
-        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank)
+        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank, self.pipeline)
         if self.step == 0 and (val := validator.loss()) is not None:
             self._emit(events.Val(step=0, val_loss=val))
         window = MetricWindow(self.config, session, fpt, peaks, self.restarts, self.ledger.counts_before)

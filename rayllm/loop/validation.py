@@ -17,6 +17,7 @@ from rayllm.data.order import rank_slice
 from rayllm.loop.metrics import all_sum, plain
 from rayllm.model.sampling import greedy_continuations
 from rayllm.parallel.layout import Layout
+from rayllm.parallel.pipeline import Pipeline
 from rayllm.parallel.tp import loss_context
 
 if TYPE_CHECKING:
@@ -39,8 +40,9 @@ class Validator:
         model: Callable[[], torch.nn.Module],
         layout: Layout,
         data_rank: int,
+        pipeline: Pipeline | None = None,
     ):
-        self.config, self.session = config, session
+        self.config, self.session, self.pipeline = config, session, pipeline
         self.val_spec, self.train_spec = session.val_spec, session.train_spec
         self.model, self.device, self.layout, self.data_rank = model, session.device, layout, data_rank
         self._rows: list[np.ndarray] | None = None
@@ -63,6 +65,10 @@ class Validator:
         total, count = 0.0, 0
         for rows in self._rows:
             batch = torch.from_numpy(np.ascontiguousarray(rows["tokens"])).to(self.device, dtype=torch.long)
+            if self.pipeline is not None:  # every micro-batch through the stages, forward only
+                total += self.pipeline.eval_loss(batch[:, :-1], batch[:, 1:]).item() * len(batch)
+                count += len(batch)
+                continue
             for rows_i in batch.split(t.micro_batch_size):
                 with loss_context(model):
                     total += plain(model(rows_i[:, :-1], rows_i[:, 1:])).item() * len(rows_i)
@@ -73,9 +79,10 @@ class Validator:
 
     def samples(self) -> list[dict[str, str]]:
         """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them);
-        none under TP (decoding one position at a time cannot be split along the sequence)."""
+        none under TP (decoding one position at a time cannot be split along the sequence) or a
+        pipeline (its schedule runs whole batches of fixed shape)."""
         t = self.config.train
-        if t.sample_tokens <= 0 or not t.sample_prompts or self.layout.tp > 1:
+        if t.sample_tokens <= 0 or not t.sample_prompts or self.layout.tp > 1 or self.pipeline is not None:
             return []
         if self._tokenizer is None:
             source = self.train_spec.sources[0]

@@ -188,6 +188,9 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         shape = (args.max_seq_len, args.head_dim // 2)
         self.loss_fn = cross_entropy  # replaced by its compiled form under train.compile
+        # Under sequence parallelism the hidden states between pipeline stages are split along the
+        # sequence (rayllm.parallel.tp sets this to tp): a later stage sees T / sequence_shards of them.
+        self.sequence_shards = 1
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         if not self.rope_cos.is_meta:
@@ -214,7 +217,7 @@ class Llama(nn.Module):
         With a ``cache``, tokens continue the positions already in it (and are added to it). A
         pipeline stage (rayllm.parallel.pp) lacks some parts: without the embedding it takes the
         previous stage's hidden states (B, T, dim), without the head it returns its own."""
-        T = tokens.shape[1]
+        T = tokens.shape[1] * (1 if self.tok_embeddings is not None else self.sequence_shards)
         start = cache.length if cache is not None else 0
         if start + T > self.args.max_seq_len:
             raise ValueError(f"sequence length {start + T} exceeds the model's max_seq_len {self.args.max_seq_len}")

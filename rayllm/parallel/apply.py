@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from rayllm.errors import ConfigError
 from rayllm.parallel.checkpointing import checkpointed
@@ -47,6 +48,7 @@ def parallelize(
     float8: bool = False,
     device: torch.device | None = None,
     seed: int = 0,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """``model`` (a rayllm Llama) laid out over ``layout``'s ranks, ready to train on ``device``.
 
@@ -54,6 +56,8 @@ def parallelize(
     shards with the values a single process would start from (``seed``): no rank ever holds the
     whole model. A model with real weights keeps them (TP and FSDP split what is there).
     ``float8``: the blocks' matmuls in float8 (rayllm.parallel.float8), emulated off a GPU.
+    ``mesh``: the layout's, when several pipeline stages share it (rayllm.parallel.pipeline); built
+    here otherwise.
     """
     layout = layout or Layout()
     device = device or torch.device("cpu")
@@ -73,7 +77,8 @@ def parallelize(
     )
     on_meta = model.rope_cos.is_meta
     fsdp = needs_fsdp(layout, dtype, cpu_offload)
-    mesh = build_mesh(layout, device.type) if fsdp or layout.tp > 1 else None
+    if mesh is None and (fsdp or layout.tp > 1):
+        mesh = build_mesh(layout, device.type)
     if float8:
         check_float8(device)
         convert_blocks(model, all_gather_float8=fsdp and layout.dp_shard > 1, emulate=device.type != "cuda")
@@ -81,7 +86,7 @@ def parallelize(
         apply_tp(model, tp_mesh(mesh), float8=float8)
     wrap_blocks(model, activation_checkpointing=activation_checkpointing, compile=compile, tp=layout.tp)
     if fsdp:
-        apply_fsdp(model, dp_mesh(mesh, layout), dtype=dtype, cpu_offload=cpu_offload)
+        apply_fsdp(model, dp_mesh(mesh, layout), dtype=dtype, cpu_offload=cpu_offload, pipelined=layout.pp > 1)
     if on_meta:
         # With offload FSDP keeps the shards in CPU memory and copies them to the GPU per block.
         materialize(model, torch.device("cpu") if cpu_offload else device, seed, buffer_device=device)
@@ -111,7 +116,7 @@ def wrap_blocks(model: nn.Module, *, activation_checkpointing: bool | str, compi
                 # graph serves all of them, and FSDP's hooks stay outside the compiled region.
                 block = torch.compile(block, fullgraph=True)
         layers[key] = block
-    if compile and tp > 1:
+    if compile and tp > 1 and model.tok_embeddings is not None:
         settle_embedding_output(model)
     if compile and tp == 1:
         # The loss alone (the norm and head modules carry FSDP hooks, see Llama.forward): the

@@ -11,14 +11,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, dtype: torch.dtype, cpu_offload: bool) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, *, dtype: torch.dtype, cpu_offload: bool, pipelined: bool = False
+) -> None:
     """Shard the embedding, each block, the final norm with the head, then the root, over ``mesh``.
 
     Parameters stay fp32 (the optimizer's master copy); with bf16 the policy casts them for
     compute and reduces gradients in fp32. Only the root casts its inputs (token ids: nothing to
     cast): a block's hidden state is bf16 already, and its RoPE tables must reach it in fp32.
     With ``cpu_offload`` parameters live in CPU memory and FSDP copies each unit's to the GPU for
-    its forward and backward.
+    its forward and backward. ``pipelined``: ``model`` is a pipeline stage, whose units stay
+    gathered from their first forward to the step's end: a schedule runs several micro-batches'
+    forwards before their backwards, which would otherwise gather every unit once per micro-batch,
+    and zero-bubble schedules give wrong gradients with resharding units (torch 2.13, found on CPU).
     """
     root, unit = {}, {}
     if dtype != torch.float32:
@@ -32,10 +37,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, dtype: torch.dtype, cpu_of
     units = forward_units(model)
     # Backward needs the last units' parameters at once (the head's unless tied, the last block's):
     # they stay gathered. With one rank resharding frees nothing (each rank holds everything).
-    held_from = len(units) - (1 if model.args.tie_embeddings else 2)
+    held_from = 0 if pipelined else len(units) - (1 if model.args.tie_embeddings else 2)
     for i, modules in enumerate(units):
         fully_shard(modules, mesh=mesh, reshard_after_forward=sharded and i < held_from, **unit)
-    fully_shard(model, mesh=mesh, **root)
+    fully_shard(model, mesh=mesh, reshard_after_forward=not pipelined, **root)
     if sharded:
         # Explicit prefetch: each unit's all-gather is issued one unit ahead, in forward and in
         # backward, so communication overlaps the unit that computes now.
@@ -53,7 +58,9 @@ def forward_units(model: nn.Module) -> list[nn.Module | list[nn.Module]]:
     layers = list(model.layers.values())
     if model.args.tie_embeddings:
         return layers
-    return [model.tok_embeddings, *layers, [model.norm, model.output]]
+    first = [model.tok_embeddings] if model.tok_embeddings is not None else []  # a pipeline stage may lack
+    last = [[model.norm, model.output]] if model.output is not None else []  # either end
+    return [*first, *layers, *last]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -1,9 +1,11 @@
 """How a world of ranks splits into parallel axes: pure arithmetic, no torch.
 
-Ranks are laid out row-major over (dp_replicate, dp_shard, tp), as ``init_device_mesh``
-numbers them: the ``tp`` ranks of one group are neighbours (one node's GPUs), and every
-rank of a TP group is fed the same rows, so the data stream is cut into ``world // tp``
-slices and rank r trains on slice ``r // tp``.
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp), as ``init_device_mesh``
+numbers them (torchtitan's order): the ``tp`` ranks of one group are neighbours (one node's
+GPUs), and the pipeline's stages are the outermost axis, so its point-to-point sends are what
+crosses the network while FSDP's gathers stay among nearer ranks. Every rank of a TP group is
+fed the same rows, and so is every stage of one pipeline: the data stream is cut into
+``dp`` slices (rayllm.data.order.DataSlicing, which the training loop builds from a Layout).
 """
 
 from __future__ import annotations
@@ -25,22 +27,19 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    pp: int = 1  # pipeline stages (rayllm.parallel.pipeline), the outermost axis
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: how many slices each global batch is cut into."""
         return self.dp_replicate * self.dp_shard
 
-    def data_rank(self, rank: int) -> int:
-        """The slice of each global batch that ``rank`` trains on (TP peers share one)."""
-        return rank // self.tp
-
     def describe(self) -> str:
-        parts = []
+        parts = [f"PP {self.pp}"] if self.pp > 1 else []
         if self.dp_replicate > 1:
             parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
         elif self.dp_shard > 1:
@@ -70,8 +69,16 @@ def resolve_layout(
 
     auto: tp is ``ranks_per_node`` (at most 8) for a GPU model of 30B parameters or more, else 1;
     dp_replicate is the number of nodes when a GPU run spans several whole nodes (HSDP: all-gathers
-    stay inside a node), else 1; dp_shard is what the other two leave.
+    stay inside a node), else 1; dp_shard is what the other two leave. ``parallel.pp`` is never
+    auto: each pipeline stage holds ``world_size / pp`` ranks, laid out as above.
     """
+    pp = _degree("pp", settings.pp)
+    if pp is None or world_size % pp:
+        raise ConfigError(
+            f"parallel.pp {settings.pp} does not divide the {world_size} workers; pick a number of pipeline "
+            "stages that divides the number of workers"
+        )
+    world_size //= pp  # the ranks of one stage: what the other axes lay out
     tp = _degree("tp", settings.tp)
     replicate = _degree("dp_replicate", settings.dp_replicate)
     shard = _degree("dp_shard", settings.dp_shard)
@@ -85,11 +92,12 @@ def resolve_layout(
             replicate = max(1, world_size // (shard * tp))
     if shard is None:
         shard = world_size // (replicate * tp) if world_size % (replicate * tp) == 0 else 0
-    layout = Layout(replicate, shard, tp)
-    if shard < 1 or layout.world_size != world_size:
+    layout = Layout(replicate, shard, tp, pp)
+    if shard < 1 or layout.world_size != world_size * pp:
         raise ConfigError(
-            f"parallel: dp_replicate {settings.dp_replicate} x dp_shard {settings.dp_shard} x tp {settings.tp} does "
-            f"not lay out {world_size} ranks; pick degrees whose product is the number of workers (auto fills one in)"
+            f"parallel: pp {pp} x dp_replicate {settings.dp_replicate} x dp_shard {settings.dp_shard} x tp "
+            f"{settings.tp} does not lay out {world_size * pp} ranks; pick degrees whose product is the number of "
+            "workers (auto fills one in)"
         )
     return layout
 
@@ -100,17 +108,20 @@ def check_model_split(
     """Tensor parallelism splits heads, the feed-forward width (None: not known yet) and, sequence
     parallel, the sequence."""
     tp = layout.tp
-    if tp == 1:
-        return
+    if tied and layout.pp > 1:
+        raise ConfigError(
+            "parallel.pp > 1 with model.tie_embeddings is not supported (the embedding and the output head live in "
+            "different pipeline stages); set model.tie_embeddings: false, or parallel.pp: 1"
+        )
     for name, value in (
         ("model.n_heads", n_heads),
         ("model.n_kv_heads", n_kv_heads),
         ("the feed-forward width", hidden),
         ("data.seq_len", seq_len),
     ):
-        if value is not None and value % tp:
+        if tp > 1 and value is not None and value % tp:
             raise ConfigError(f"parallel.tp {tp} must divide {name} ({value}); pick a tp that divides it")
-    if tied:
+    if tied and tp > 1:
         raise ConfigError(
             "parallel.tp > 1 with model.tie_embeddings is not supported (the embedding and the output head would be "
             "split two ways); set parallel.tp: 1 (FSDP/HSDP alone), or model.tie_embeddings: false"
@@ -118,13 +129,15 @@ def check_model_split(
 
 
 def unit(settings) -> int:
-    """Ranks the world grows and shrinks by: one whole (dp_shard x tp) group, or one TP group."""
+    """Ranks the world grows and shrinks by: one whole (dp_shard x tp) group, or one TP group, in
+    every pipeline stage (a whole pipeline replica)."""
+    pp = settings.pp if isinstance(settings.pp, int) else 1
     tp = settings.tp if isinstance(settings.tp, int) else 1
     shard = settings.dp_shard if isinstance(settings.dp_shard, int) else 1
     replicate = settings.dp_replicate if isinstance(settings.dp_replicate, int) else 1
     if settings.dp_shard == AUTO:
-        return replicate * tp
-    return shard * tp
+        return pp * replicate * tp
+    return pp * shard * tp
 
 
 def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batch: int) -> list[int]:

@@ -1,7 +1,8 @@
-"""The DeviceMesh of a layout: three named axes, (dp_replicate, dp_shard, tp), always.
+"""The DeviceMesh of a layout: four named axes, (pp, dp_replicate, dp_shard, tp), always.
 
 Size-1 axes cost nothing and keep one code path for every layout: FSDP takes the
-data-parallel sub-mesh (2-D, replicate x shard, is HSDP), TP takes the "tp" axis.
+data-parallel sub-mesh (2-D, replicate x shard, is HSDP), TP takes the "tp" axis, and the
+pipeline's stages send to each other over the "pp" axis's group.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rayllm.parallel.layout import Layout
 
-AXES = ("dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -20,7 +21,8 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
         raise ValueError(
             f"layout {layout} needs {layout.world_size} ranks, the process group has {dist.get_world_size()}"
         )
-    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=AXES)
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
 
 
 def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
@@ -30,3 +32,8 @@ def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["tp"]
+
+
+def pp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The ranks of one pipeline replica, one per stage (the same data-parallel and TP place)."""
+    return mesh.get_group("pp")

@@ -6,8 +6,11 @@ the head's matmul is worth 2-3 blocks at 8B-70B (vocabulary 128k), so the last s
 blocks. Stages are contiguous runs of layers, found by a small exact search (layers <= a few
 hundred, stages <= a few dozen), not a greedy fill that can leave the last stage heavy.
 
+``plan_pipeline`` settles the schedule, the stages each rank holds and the micro-batches, and
+refuses by name what torch's schedules would refuse later (or silently get wrong);
 ``schedule_costs`` gives the planner a schedule's bubble and each rank's peak of held
-activations, checked against torch's own Interleaved1F1B order in the tests.
+activations, checked against torch's own Interleaved1F1B order in the tests. Building the stages
+with torch is rayllm.parallel.pipeline's.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ def split_stages(shape: ModelShape, stages: int, seq_len: int) -> list[StagePart
         raise ConfigError(f"parallel.pp must be at least 1, got {stages}")
     if stages > n:
         raise ConfigError(
-            f"parallel.pp={stages} stages need at least one of the model's {n} layers each: "
-            f"set parallel.pp to at most {n}"
+            f"{stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) need at least one of the "
+            f"model's {n} layers each: lower parallel.pp or parallel.pp_stages_per_rank"
         )
     costs = part_costs(shape, seq_len)
     bounds = _balanced_bounds(n, stages, costs)
@@ -115,6 +118,79 @@ def _balanced_bounds(n: int, stages: int, costs: PartCosts) -> list[int]:
             heaviest, _, cuts = min(options)
             best[s][i] = (heaviest, cuts)
     return best[stages - 1][n][1]
+
+
+ONE_STAGE = ("1F1B", "GPipe")  # one stage per rank
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")  # rank r holds r, r + pp, ...
+ZERO_BUBBLE = ("InterleavedZeroBubble",)  # backward split in two: refuse compiled stages
+PIPELINE_SCHEDULES = (*ONE_STAGE, *LOOPED)  # torch 2.13's, by get_schedule_class's names
+# Rank r holds stages r and 2 pp - 1 - r. torch 2.13's forward-only eval of these fails at the V's
+# turn ("can't steal_bwd_input if this stage doesn't have backward"), so validation could not run.
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline's schedule and shape, settled before any stage is built."""
+
+    schedule: str
+    pp: int
+    stages_per_rank: int
+    microbatches: int  # per step and data-parallel rank: the accumulation steps
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stage indices ``pp_rank`` holds, in the order its schedule expects them (looped)."""
+        return list(range(pp_rank, self.n_stages, self.pp))
+
+
+def plan_pipeline(settings, microbatches: int, n_layers: int, compile: bool) -> PipelinePlan:
+    """``parallel.pp*`` (ParallelSettings) for a step of ``microbatches`` per data-parallel rank,
+    or a one-line refusal naming the fix of what torch's schedule would refuse (or get wrong)."""
+    pp, name = settings.pp, settings.pp_schedule
+    schedule = next((s for s in PIPELINE_SCHEDULES if s.lower() == str(name).lower()), None)
+    if str(name).lower() in (s.lower() for s in V_SHAPED):
+        raise ConfigError(
+            f"parallel.pp_schedule {name} is not supported: torch 2.13's V-shaped schedules fail in forward-only "
+            "evaluation (validation); pick InterleavedZeroBubble or Interleaved1F1B"
+        )
+    if schedule is None:
+        raise ConfigError(
+            f"parallel.pp_schedule {name!r} is not one of {', '.join(PIPELINE_SCHEDULES)}; for example 1F1B"
+        )
+    per_rank = settings.pp_stages_per_rank
+    if per_rank == "auto":
+        per_rank = 1 if schedule in ONE_STAGE else 2
+    if isinstance(per_rank, bool) or not isinstance(per_rank, int) or per_rank < 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank must be a whole number >= 1 or auto, got {per_rank!r}")
+    if schedule in ONE_STAGE and per_rank != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule {schedule} runs 1 stage per rank, not {per_rank}: set "
+            f"parallel.pp_stages_per_rank: 1 (or auto), or pick Interleaved1F1B for {per_rank}"
+        )
+    plan = PipelinePlan(schedule, pp, per_rank, microbatches)
+    if plan.n_stages > n_layers:
+        raise ConfigError(
+            f"{plan.n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) need at least one of the "
+            f"model's {n_layers} layers each: lower parallel.pp or parallel.pp_stages_per_rank"
+        )
+    whole = schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
+    if pp > 1 and (microbatches < pp or (whole and microbatches % pp)):
+        what = f"a multiple of parallel.pp ({pp})" if whole else f"at least {pp}"
+        raise ConfigError(
+            f"parallel.pp_schedule {schedule} needs {what} micro-batches per step, got {microbatches} "
+            "(train.global_batch_size / (train.micro_batch_size x data-parallel ranks)); raise the global batch or "
+            "lower the micro-batch"
+        )
+    if pp > 1 and compile and schedule in ZERO_BUBBLE:
+        raise ConfigError(
+            f"parallel.pp_schedule {schedule} splits each backward in two, which torch does not do for compiled "
+            "blocks; set train.compile: false, or pick 1F1B or Interleaved1F1B"
+        )
+    return plan
 
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")  # those the planner can cost so far

@@ -27,19 +27,20 @@ from torch.distributed.tensor.parallel import (
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, float8: bool = False) -> None:
-    """Split ``model`` (a rayllm Llama, still plain) over the 1-D ``mesh``, in place. ``float8``:
-    the blocks' Linears are torchao's Float8Linear (rayllm.parallel.float8), whose inputs are
-    cast to float8 before they are gathered along the sequence."""
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            # Logits stay split by vocabulary: (B, T, vocab/tp) per rank, for loss_parallel.
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+    """Split ``model`` (a rayllm Llama, still plain, or a pipeline stage of one) over the 1-D
+    ``mesh``, in place. ``float8``: the blocks' Linears are torchao's Float8Linear
+    (rayllm.parallel.float8), whose inputs are cast to float8 before they are gathered along the
+    sequence."""
+    plan = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        plan["norm"] = SequenceParallel()
+        # Logits stay split by vocabulary: (B, T, vocab/tp) per rank, for loss_parallel.
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    if plan:
+        parallelize_module(model, mesh, plan)
+    model.sequence_shards = mesh.size()  # the residual stream is split along the sequence
     colwise, rowwise, prepare_input = _block_styles(float8)
     for block in model.layers.values():
         parallelize_module(
@@ -97,7 +98,8 @@ def settle_embedding_output(model: nn.Module) -> None:
 def is_tensor_parallel(model: nn.Module) -> bool:
     """Whether ``apply_tp`` split this model: its head's weight lives on a mesh with a "tp" axis
     (alone, or beside FSDP's data-parallel axes)."""
-    mesh = getattr(model.output.weight, "device_mesh", None)
+    head = getattr(model, "output", None)
+    mesh = getattr(head.weight, "device_mesh", None) if head is not None else None
     return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 

@@ -13,7 +13,7 @@ from rayllm import events
 from rayllm.checkpoint import checkpoint_name
 from rayllm.checkpoint.memory import check_memory_budget, memory_uri
 from rayllm.config import TrainConfig
-from rayllm.data.order import DataState
+from rayllm.data.order import DataSlicing, DataState
 from rayllm.data.stream.protocol import RESTART, DataStreamLost
 from rayllm.data.stream.relay import served_batches, slices_per_object
 from rayllm.errors import RayllmError
@@ -61,7 +61,7 @@ class RaySession:
         else:
             self.device = torch.device("cpu")
 
-    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
+    def train_batches(self, state: DataState, consumed: int, slicing: DataSlicing):
         """Rank 0 tells the run's stream server (the driver's, serve.py) where this attempt begins;
         every rank pulls its slices through its node's relay (relay.py), which the control actor
         keeps across attempts."""
@@ -79,10 +79,9 @@ class RaySession:
                 self.attempt,
                 state.to_dict(),
                 consumed,
-                self.world_size,
-                self.world_size // ranks_per_slice,
+                slicing,
                 # One object per node's data ranks: a node pulls its rows once, its ranks view them.
-                slices_per_object(nodes, ranks_per_slice),
+                slices_per_object(nodes, slicing),
                 self.train_spec,  # the run's plan: a server Ray restarted has it only from here
             )
             kept[0] = _answer(begin, self.config.data.wait_timeout_s)

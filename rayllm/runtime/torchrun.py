@@ -24,7 +24,7 @@ from rayllm.checkpoint.lease import RunDirLease, RunDirTaken
 from rayllm.config import TrainConfig
 from rayllm.config.resolve import resolve
 from rayllm.data.discover import DataSpecs, prepare_data
-from rayllm.data.order import DataState, first_batches, local_stream, rank_slice
+from rayllm.data.order import DataSlicing, DataState, first_batches, local_stream, rank_slice
 from rayllm.errors import RayllmError
 from rayllm.io.storage import is_remote
 from rayllm.loop.data_resume import check_resume_data
@@ -54,12 +54,12 @@ class LocalSession:
         self.phases: dict[str, float] = {"loop": time.time()}
         self.stream_kept: bool | None = None  # every attempt computes its stream afresh
 
-    def train_batches(self, state: DataState, consumed: int, ranks_per_slice: int):
+    def train_batches(self, state: DataState, consumed: int, slicing: DataSlicing):
         """Every rank computes the same global stream in-process and keeps its slice (no Ray here)."""
         stream = local_stream(
             self.train_spec, state, consumed=consumed, global_batch=self.config.train.global_batch_size
         )
-        slice_, slices = self.rank // ranks_per_slice, self.world_size // ranks_per_slice
+        slice_, slices = slicing.slice_of(self.rank), slicing.slices
         return ((rank_slice(rows, slice_, slices), meta) for rows, meta in stream)
 
     def peak_flops(self, measure) -> float:

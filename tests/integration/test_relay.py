@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from rayllm.data.order import DataSlicing
+
 G, WORLD, PER_NODE, STEPS = 16, 4, 2, 40
 
 
@@ -50,7 +52,7 @@ def start(ray, keep_behind: int = 0, depth: int = 4):
 
 def begin(ray, server, attempt: int, consumed: int, world: int = WORLD) -> bool:
     """Whether the server kept its stream for ``attempt``, begun at ``consumed`` sequences."""
-    return ray.get(server.begin.remote(attempt, {}, consumed, world, world, PER_NODE), timeout=60)
+    return ray.get(server.begin.remote(attempt, {}, consumed, DataSlicing(world), PER_NODE), timeout=60)
 
 
 def take(batches: dict, steps: int) -> dict[int, list]:
@@ -225,8 +227,20 @@ def test_a_relay_ray_restarted_is_attached_to_the_server_again_and_serves_the_ne
 def test_a_nodes_worth_of_slices_per_object_only_when_nodes_hold_contiguous_equal_runs_of_ranks():
     from rayllm.data.stream.relay import slices_per_object
 
-    assert slices_per_object(["a", "a", "b", "b"], ranks_per_slice=1) == 2
-    assert slices_per_object(["a"] * 8 + ["b"] * 8, ranks_per_slice=2) == 4  # TP pairs share a slice
-    assert slices_per_object(["a", "b", "a", "b"], ranks_per_slice=1) == 1  # interleaved
-    assert slices_per_object(["a", "a", "a", "b"], ranks_per_slice=1) == 1  # uneven
-    assert slices_per_object(["a", "b"], ranks_per_slice=1) == 1  # one rank a node (several nodes on one IP)
+    assert slices_per_object(["a", "a", "b", "b"], DataSlicing(4)) == 2
+    assert slices_per_object(["a"] * 8 + ["b"] * 8, DataSlicing(16, ranks_per_slice=2)) == 4  # TP pairs share a slice
+    assert slices_per_object(["a", "b", "a", "b"], DataSlicing(4)) == 1  # interleaved
+    assert slices_per_object(["a", "a", "a", "b"], DataSlicing(4)) == 1  # uneven
+    assert slices_per_object(["a", "b"], DataSlicing(2)) == 1  # one rank a node (several nodes on one IP)
+    # Pipelines: a node inside one stage holds its own slices; a node of whole stages holds them all.
+    assert slices_per_object(["a"] * 4 + ["b"] * 4, DataSlicing(8, stages=2)) == 4
+    assert slices_per_object(["a"] * 4 + ["b"] * 4, DataSlicing(8, stages=4)) == 2
+    assert slices_per_object(["a"] * 4 + ["b"] * 4, DataSlicing(8, stages=8)) == 1
+    assert slices_per_object(["a"] * 6 + ["b"] * 6, DataSlicing(12, stages=4)) == 3
+    assert slices_per_object(["a"] * 4 + ["b"] * 4 + ["c"] * 4, DataSlicing(12, stages=2)) == 1  # b straddles stages
+
+
+def test_data_slicing_feeds_every_stage_of_a_pipeline_the_same_rows():
+    slicing = DataSlicing(8, ranks_per_slice=2, stages=2)  # pp 2 x dp 2 x tp 2
+    assert slicing.slices == 2
+    assert [slicing.slice_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]

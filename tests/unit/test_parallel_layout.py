@@ -14,6 +14,7 @@ def _config(*overrides: str):
 
 
 def test_auto_degrees_follow_the_world_and_its_nodes():
+    from rayllm.data.order import DataSlicing
     from rayllm.parallel.layout import Layout, resolve_layout
 
     p = _config().parallel
@@ -27,7 +28,8 @@ def test_auto_degrees_follow_the_world_and_its_nodes():
         "parallel.dp_shard=2", "parallel.tp=2", "cluster.num_workers=8", "train.micro_batch_size=4"
     ).parallel
     assert resolve_layout(fixed, 8) == Layout(2, 2, 2)
-    assert Layout(2, 2, 2).data_rank(5) == 2  # ranks 4 and 5 are one TP group: slice 2 of 4
+    slicing = DataSlicing(8, ranks_per_slice=2)  # Layout(2, 2, 2)'s
+    assert slicing.slice_of(5) == 2  # ranks 4 and 5 are one TP group: slice 2 of 4
 
 
 def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():

@@ -74,9 +74,85 @@ def test_every_parameter_of_the_plain_model_belongs_to_exactly_one_stage():
 def test_more_stages_than_layers_is_refused_naming_the_fix():
     with pytest.raises(
         ConfigError,
-        match=r"parallel.pp=5 stages need at least one of the model's 4 layers each: set parallel.pp to at most 4",
+        match=r"^5 pipeline stages \(parallel.pp x parallel.pp_stages_per_rank\) need at least one of the model's 4 "
+        r"layers each: lower parallel.pp or parallel.pp_stages_per_rank$",
     ):
         split_stages(ModelShape(n_layers=4), 5, seq_len=64)
+
+
+def _parallel(*overrides: str):
+    from rayllm.config import TrainConfig
+
+    return TrainConfig.from_dict({}, overrides=["train.micro_batch_size=1", "model.n_layers=8", *overrides]).parallel
+
+
+def test_a_pipeline_plan_places_stages_as_its_schedule_expects():
+    from rayllm.parallel.pp import plan_pipeline
+
+    one = plan_pipeline(_parallel("parallel.pp=4", "cluster.num_workers=4"), 8, n_layers=8, compile=True)
+    assert (one.schedule, one.stages_per_rank, one.n_stages, one.stages_of(2)) == ("1F1B", 1, 4, [2])
+    looped = plan_pipeline(_parallel("parallel.pp=2", "parallel.pp_schedule=interleaved1f1b"), 4, 8, False)
+    assert (looped.schedule, looped.n_stages, looped.stages_of(0), looped.stages_of(1)) == (
+        "Interleaved1F1B",
+        4,
+        [0, 2],
+        [1, 3],
+    )
+    three = plan_pipeline(
+        _parallel("parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=3"), 4, 8, False
+    )
+    assert three.stages_of(1) == [1, 3, 5]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "microbatches", "compile", "message"),
+    [
+        (
+            ["parallel.pp_schedule=Zigzag"],
+            4,
+            False,
+            r"parallel.pp_schedule 'Zigzag' is not one of 1F1B, GPipe, .*; for example 1F1B$",
+        ),
+        (
+            ["parallel.pp_stages_per_rank=2"],
+            4,
+            False,
+            r"parallel.pp_schedule 1F1B runs 1 stage per rank, not 2: set ",
+        ),
+        (
+            ["parallel.pp_schedule=DualPipeV"],
+            4,
+            False,
+            r"DualPipeV is not supported: torch 2.13's V-shaped schedules fail in forward-only evaluation",
+        ),
+        (
+            ["parallel.pp_stages_per_rank=0"],
+            4,
+            False,
+            r"parallel.pp_stages_per_rank must be a whole number >= 1 or auto",
+        ),
+        ([], 1, False, r"1F1B needs at least 2 micro-batches per step, got 1 \(train.global_batch_size / "),
+        (
+            ["parallel.pp_schedule=Interleaved1F1B"],
+            3,
+            False,
+            r"Interleaved1F1B needs a multiple of parallel.pp \(2\) micro",
+        ),
+        (
+            ["parallel.pp_schedule=InterleavedZeroBubble"],
+            4,
+            True,
+            r"InterleavedZeroBubble splits each backward in two, .*set train.compile: false",
+        ),
+        (["parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=4"], 4, False, r"^8 pipeline stages"),
+    ],
+)
+def test_a_pipeline_torch_would_refuse_is_refused_first_in_one_line(overrides, microbatches, compile, message):
+    from rayllm.parallel.pp import plan_pipeline
+
+    with pytest.raises(ConfigError, match=message) as e:
+        plan_pipeline(_parallel("parallel.pp=2", *overrides), microbatches, n_layers=6, compile=compile)
+    assert "\n" not in str(e.value)
 
 
 def _torch_interleaved_peaks(pp: int, m: int, v: int) -> list[float]:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rayllm.data.order import DataState
+from rayllm.data.order import DataSlicing, DataState
 from rayllm.data.stream.protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
 from rayllm.ray_cluster import pinned_actor
 
@@ -142,16 +142,18 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def slices_per_object(nodes: list[str], ranks_per_slice: int) -> int:
+def slices_per_object(nodes: list[str], slicing: DataSlicing) -> int:
     """How many data slices the server puts in one object: a node's worth when every node holds
-    the same number of ranks in one contiguous run (``nodes``: each rank's node id), else 1.
+    the same number of ranks in one contiguous run (``nodes``: each rank's node id) inside one
+    pipeline stage, else 1. A node holding whole stages needs every slice: one object of them all.
     Counted from node ids, not Ray Train's local world size: that groups workers by IP address,
     and several nodes may share one (simulated clusters, hosts behind one address)."""
     per_node = nodes.count(nodes[0])
     contiguous = all(nodes[r] == nodes[r - r % per_node] for r in range(len(nodes)))
-    if not contiguous or len(nodes) % per_node:
+    stage = len(nodes) // slicing.stages  # ranks per pipeline stage
+    if not contiguous or len(nodes) % per_node or (stage % per_node and per_node % stage):
         return 1
-    return max(1, per_node // ranks_per_slice)
+    return max(1, min(per_node, stage) // slicing.ranks_per_slice)
 
 
 def node_relay(server_name: str, node: str):

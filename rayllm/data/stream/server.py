@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from rayllm.data.order import DataState, StreamSpec, open_stream
+from rayllm.data.order import DataSlicing, DataState, StreamSpec, open_stream
 from rayllm.data.stream.pipeline import configure_ray_data, ray_chunks
 from rayllm.data.stream.protocol import END, REPLY_WAIT_S, RESTART, DataStreamLost
 from rayllm.ray_cluster import pinned_actor
@@ -76,7 +76,7 @@ class StreamServer:
         self._held: dict[str, int] = {}  # client -> steps its slowest rank has taken this attempt
         self._clients_ranks: dict[str, int] = {}  # client -> how many ranks it serves
         self._ranks = 0
-        self._rows_per_slice, self._slices, self._per_object = global_batch, 1, 1
+        self._rows_per_slice, self._slicing, self._per_object = global_batch, DataSlicing(1), 1
         self._layouts: dict[tuple[int, ...], tuple[list[int], dict[int, tuple[int, int, int]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._news: asyncio.Event | None = None
@@ -86,8 +86,7 @@ class StreamServer:
         attempt: int,
         state: dict,
         consumed: int,
-        world_size: int,
-        data_slices: int,
+        slicing: DataSlicing,
         slices_per_object: int,
         plan: StreamSpec | None = None,
     ) -> bool:
@@ -98,7 +97,7 @@ class StreamServer:
             self._plan = plan
         if self._loop is None:
             self._loop, self._news = asyncio.get_running_loop(), asyncio.Event()
-        rows_per_slice = self._global_batch // data_slices
+        rows_per_slice = self._global_batch // slicing.slices
         per_object = max(1, slices_per_object)
         with self._lock:
             production = self._production
@@ -106,8 +105,8 @@ class StreamServer:
             if production is not None and production.error is None:
                 if production.rows_per_object == per_object * rows_per_slice:
                     index = production.index_of(consumed, self._global_batch)
-            self._attempt, self._ranks = attempt, world_size
-            self._rows_per_slice, self._slices, self._per_object = rows_per_slice, data_slices, per_object
+            self._attempt, self._ranks = attempt, slicing.world_size
+            self._rows_per_slice, self._slicing, self._per_object = rows_per_slice, slicing, per_object
             self._held, self._clients_ranks, self._layouts = {}, {}, {}
             if index is not None:
                 self._offset = index
@@ -208,7 +207,7 @@ class StreamServer:
         if ranks not in self._layouts:
             where = {}
             for rank in ranks:
-                data_slice = rank * self._slices // self._ranks
+                data_slice = self._slicing.slice_of(rank)
                 obj, offset = divmod(data_slice, self._per_object)
                 where[rank] = (obj, offset * self._rows_per_slice)
             objects = sorted({obj for obj, _ in where.values()})

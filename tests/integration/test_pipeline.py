@@ -1,0 +1,64 @@
+"""Pipeline parallelism trains like one process: PP 2 (1F1B, interleaved zero-bubble), PP 2 x FSDP 2 and
+PP 2 x TP 2 (interleaved 1F1B) under real torchrun gloo groups on CPU, fp32, with checkpoints
+resharding into and out of pipelines (rayllm/parallel/pipeline.py)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import losses, quiet_run, torchrun_records
+
+LEG_STEPS = 5
+# Four blocks: an interleaved schedule of 2 stages per rank over 2 ranks holds one block a stage.
+# Global batch 8 of micro-batches of 2: a pipeline without data parallelism runs 4 micro-batches
+# a step, PP 2 x FSDP 2 runs 2 per data-parallel rank.
+FOUR_BLOCKS = ["model.n_layers=4", "train.val_every=5"]
+LEGS = {
+    "fsdp2": (2, [], "FSDP 2"),
+    "pp2": (2, ["parallel.pp=2"], "PP 2"),
+    "pp2-zero-bubble": (2, ["parallel.pp=2", "parallel.pp_schedule=InterleavedZeroBubble"], "PP 2"),
+    "pp2xfsdp2": (4, ["parallel.pp=2", "parallel.dp_shard=2"], "PP 2 x FSDP 2"),
+    "pp2xtp2-interleaved": (
+        4,
+        ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=Interleaved1F1B"],
+        "PP 2 x TP 2",
+    ),
+}
+
+
+def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
+    for step in steps:
+        assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
+
+
+def _val(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in records if r["kind"] == "val"}
+
+
+@pytest.fixture
+def base(overrides):
+    return [*quiet_run(overrides), *FOUR_BLOCKS]
+
+
+def test_pipelines_train_like_one_process_and_reshard_to_and_from_other_layouts(base, tmp_path):
+    """One run through FSDP 2 -> PP 2 (1F1B) -> PP 2 x FSDP 2 -> PP 2 x TP 2 (Interleaved1F1B, two
+    stages a rank) -> PP 2 (InterleavedZeroBubble) -> FSDP 2, LEG_STEPS steps each, each leg resuming the
+    previous leg's checkpoint. Every step's training loss and every validation loss (run through
+    the schedule's forward-only eval) is the 1-process run's."""
+    legs = ["fsdp2", "pp2", "pp2xfsdp2", "pp2xtp2-interleaved", "pp2-zero-bubble", "fsdp2"]
+    steps = LEG_STEPS * len(legs)
+    run = [*base, f"train.max_steps={steps}"]
+    one_records = torchrun_records(1, [*run, f"run.dir={tmp_path / 'one'}"])
+    one, one_val = losses(one_records), _val(one_records)
+    assert sorted(one) == list(range(1, steps + 1)) and one[steps] < one[1]
+    assert sorted(one_val) == list(range(0, steps + 1, LEG_STEPS))
+    for i, name in enumerate(legs):
+        nproc, layout, described = LEGS[name]
+        stop = LEG_STEPS * (i + 1)
+        records = torchrun_records(nproc, [*run, *layout, f"run.dir={tmp_path / 'legs'}", f"train.stop_at_step={stop}"])
+        start = [r for r in records if r["kind"] == "start"][-1]
+        assert (start["step"], start["world_size"], start["layout"]) == (stop - LEG_STEPS, nproc, described)
+        trained = records[records.index(start) :]
+        assert sorted(losses(trained)) == list(range(stop - LEG_STEPS + 1, stop + 1)), name
+        _close(losses(trained), one, losses(trained))
+        assert stop in _val(trained), name
+        _close(_val(trained), one_val, [stop])
