@@ -158,7 +158,16 @@ def test_one_worker_stopped_and_rerun_equals_two_fsdp_workers(uninterrupted, tmp
         assert abs(loss - losses(two)[step]) / loss <= 1e-4, (step, loss, losses(two)[step])
 
 
-def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_before(uninterrupted, tmp_path, monkeypatch):
+# FSDP 2 as in the uninterrupted run, and a pipeline of 2 stages over FSDP 2: its rank module's
+# state goes to the keepers and comes back into the stages.
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["cluster.num_workers=4", "cluster.cpus_per_worker=0.5", "parallel.pp=2", "parallel.dp_shard=2"]],
+    ids=["fsdp2", "pp2xfsdp2"],
+)
+def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_before(
+    uninterrupted, tmp_path, monkeypatch, layout
+):
     """In-memory checkpoints every step: a worker SIGKILLed in step 5 (the run held before it)
     costs no stored checkpoint's worth of steps: the run resumes from step 4 out of the keepers,
     with the uninterrupted run's losses and sequences."""
@@ -174,7 +183,7 @@ def test_a_killed_worker_resumes_from_the_in_memory_checkpoint_of_the_step_befor
     hold.touch()
     monkeypatch.setenv("RAYLLM_FAULT_PAUSE_AT", f"5:{hold}")
     box: dict = {}
-    config = [*base, f"run.dir={run_dir}", "train.memory_checkpoint_every=1"]
+    config = [*base, f"run.dir={run_dir}", "train.memory_checkpoint_every=1", *layout]
     thread = threading.Thread(target=lambda: box.update(result=run(config)), daemon=True)
     thread.start()
 

@@ -30,6 +30,14 @@ def test_auto_degrees_follow_the_world_and_its_nodes():
     assert resolve_layout(fixed, 8) == Layout(2, 2, 2)
     slicing = DataSlicing(8, ranks_per_slice=2)  # Layout(2, 2, 2)'s
     assert slicing.slice_of(5) == 2  # ranks 4 and 5 are one TP group: slice 2 of 4
+    # A pipeline is the outermost axis: the other degrees lay out each stage's ranks.
+    pp = _config("parallel.pp=2", "cluster.num_workers=8", "train.micro_batch_size=1").parallel
+    assert resolve_layout(pp, 8) == Layout(1, 4, 1, pp=2)
+    assert resolve_layout(pp, 32, ranks_per_node=8, use_gpu=True) == Layout(2, 8, 1, pp=2)  # HSDP per stage
+    assert Layout(1, 2, 2, pp=2).describe() == "PP 2 x FSDP 2 x TP 2"
+    staged = DataSlicing(8, ranks_per_slice=2, stages=2)  # Layout(1, 2, 2, pp=2)'s
+    assert [staged.slice_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [r for r in range(8) if staged.records(r)] == [0, 2]  # the first stage's first TP ranks
 
 
 def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
@@ -45,6 +53,11 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
     policy = WholeLayoutsPolicy(scaling, usable)
     assert policy._count_possible_workers({"a": {"CPU": 5.0}, "b": {"CPU": 2.0}}) == 4  # room for 7
     assert policy._count_possible_workers({"a": {"CPU": 1.0}}) == 0  # below the minimum: wait
+    # A pipeline grows by whole replicas: every stage gains a rank.
+    pp = _config(
+        "parallel.pp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
+    )
+    assert usable_world_sizes(pp.parallel, 2, 8, 16, 1) == [2, 4, 8]
 
 
 @pytest.mark.parametrize(
@@ -54,6 +67,12 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         (["parallel.tp=2", "model.tie_embeddings=true"], "tie_embeddings is not supported"),
         (["parallel.dp_shard=3", "cluster.num_workers=4"], "does not lay out 4 ranks"),
         (["parallel.tp=0"], "parallel.tp must be a whole number >= 1 or auto"),
+        (["parallel.pp=3", "cluster.num_workers=4"], "parallel.pp 3 does not divide the 4 workers"),
+        (["parallel.pp=2", "model.tie_embeddings=true"], "parallel.pp > 1 with model.tie_embeddings is not supported"),
+        (
+            ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8"],
+            "parallel.pp_schedule 1F1B needs at least 2 micro-batches",
+        ),
         (
             ["parallel.tp=2", "cluster.num_workers=4", "train.global_batch_size=6", "train.micro_batch_size=2"],
             "data-parallel ranks",
