@@ -187,10 +187,10 @@ def _show_config(config, args: argparse.Namespace) -> int:
 
 
 def _plan(config, args: argparse.Namespace) -> int:
-    from rayllm.parallel import planner
+    from rayllm.parallel import plan_choice
 
     print(
-        planner.report(
+        plan_choice.report(
             config,
             gpu=args.gpu,
             nodes=args.nodes,

@@ -13,19 +13,20 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from dataclasses import dataclass, field, replace
-from functools import cache, partial
+from dataclasses import dataclass, field
+from functools import cache
 
 from rayllm.errors import ConfigError
 from rayllm.parallel.gpus import GPUS, GpuSpec
 from rayllm.parallel.layout import (
-    CHECKPOINT_MODES,
     Layout,
     check_model_split,
     checkpoint_mode,
     compiles,
     resolve_layout,
 )
+from rayllm.parallel.planner_pp import PipelineTerms, pipeline_terms
+from rayllm.parallel.pp import plan_pipeline
 from rayllm.parallel.shape_counts import (
     Shape,
     block_bytes_per_token,
@@ -84,6 +85,7 @@ class MemoryPlan:
     params: int = 0
     dtype: str = "fp32"
     seconds: dict[str, float] = field(default_factory=dict)  # estimated compute and communication per step
+    pipeline: PipelineTerms | None = None  # under parallel.pp: the busiest rank's
 
     @property
     def step_seconds(self) -> float | None:
@@ -96,16 +98,24 @@ class MemoryPlan:
         if not t:
             return None
         hideable = (1 - EXPOSED_FSDP_SHARE) * t["fsdp"]
-        exposed = EXPOSED_FSDP_SHARE * t["fsdp"] + max(0.0, hideable - t["compute"]) + t["tp"] + t["hsdp"]
+        exposed = EXPOSED_FSDP_SHARE * t["fsdp"] + max(0.0, hideable - t["compute"]) + t["tp"] + t["hsdp"] + t["pp"]
         return t["compute"] + exposed
 
     def summary(self) -> str:
         ac = self.activation_checkpointing
         where = f" of {_gib(self.gpu.memory_bytes)}" if self.gpu else ""
         fits = "" if self.fits is None else (": fits" if self.fits else ": does NOT fit")
+        lay = self.layout
+        pp, pipe = f"pp {lay.pp} x " if lay.pp > 1 else "", self.pipeline
+        stages = ""
+        if pipe is not None:
+            busiest = (
+                f"pipeline rank {pipe.rank.rank}: {pipe.rank.layers} blocks, {pipe.rank.in_flight:g} micro-batches held"
+            )
+            stages = f" of {pipe.schedule}, bubble {pipe.bubble:.0%}, {busiest}"
         return (
-            f"{self.layout.describe()} (dp_replicate {self.layout.dp_replicate} x dp_shard {self.layout.dp_shard} "
-            f"x tp {self.layout.tp}), micro-batch {self.micro_batch} ({self.accum} accumulation steps), "
+            f"{lay.describe()} ({pp}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}), "
+            f"micro-batch {self.micro_batch} ({self.accum} {'micro-batches' if pp else 'accumulation steps'}{stages}), "
             f"activation checkpointing {ac}: {_gib(self.total_bytes)}{where} per {'GPU' if self.gpu else 'rank'}{fits}"
         )
 
@@ -116,24 +126,29 @@ class MemoryPlan:
             f"{c['fsdp_reduce_scatter'] / 1e9:,.1f} GB, HSDP all-reduce {c['hsdp_all_reduce'] / 1e9:,.1f} GB, "
             f"TP collectives {c['tp_collectives'] / 1e9:,.1f} GB"
         )
+        line += f", pipeline sends {c['pp_send'] / 1e9:,.1f} GB" if self.pipeline else ""
         if t:
+            pp = f", PP {t['pp']:.2f} s" if self.pipeline else ""
             line += (
-                f"\n  at link speed: FSDP {t['fsdp']:.2f} s, HSDP {t['hsdp']:.2f} s, TP {t['tp']:.2f} s; "
+                f"\n  at link speed: FSDP {t['fsdp']:.2f} s, HSDP {t['hsdp']:.2f} s, TP {t['tp']:.2f} s{pp}; "
                 f"compute {t['compute']:.2f} s at {t['mfu']:.0%} MFU{'' if t['mfu'] == ASSUMED_MFU else ' (eager)'}; "
                 f"step about {self.step_seconds:.2f} s"
             )
         return line
 
     def format(self) -> str:
-        p = self.parts
+        p, staged = self.parts, self.pipeline is not None
+        gathered = "its stages, all step" if staged else "2 blocks + head"
+        unsharded = "its stages' fp32 until the step's end" if staged else "block and head"
         notes = {
-            "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered (2 blocks + head) {p['gathered']:,}",
-            "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded block and head {p['grad_unsharded']:,}",
+            "parameters": f"fp32 shard {p['param_shard']:,} + {self.dtype} gathered ({gathered}) {p['gathered']:,}",
+            "gradients": f"fp32 shard {p['grad_shard']:,} + unsharded ({unsharded}) {p['grad_unsharded']:,}",
             "optimizer": "AdamW exp_avg + exp_avg_sq, fp32, sharded",
             "activations": "checkpointing "
             + ", ".join(f"{mode} {_gib(b)}" for mode, b in self.activations_by_mode.items()),
             "logits_loss": "logits/tp: fp32 log-softmax, its gradient and the input's; final norm",
-            "comm_buffers": "NCCL buffers per process group, FSDP copy-in/out",
+            "comm_buffers": "NCCL buffers per process group, FSDP copy-in/out"
+            + (", a receive buffer per micro-batch" if staged else ""),
             "framework_reserve": "CUDA context, kernels, cuBLAS" if self.gpu else "measured: process with torch",
             "allocator_slack": "5% caching-allocator fragmentation" if self.gpu else "35% of transients: heap holes",
         }
@@ -184,18 +199,27 @@ def plan_memory(
         layout = resolve_layout(
             config.parallel, world, ranks_per_node=gpus_per_node, n_params=s.total, use_gpu=spec is not None
         )
-    _check_split(layout, config)
+    check_split(layout, config)
     micro = micro_batch or t.micro_batch_size
     ac = checkpoint_mode(t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing)
     e = 2 if t.precision == "bf16" or (t.precision == "auto" and spec is not None) else 4
     tokens = micro * config.data.seq_len
-    parts = _state_bytes(s, layout, e, t.cpu_offload)
-    by_mode, logits_loss = _activation_bytes(s, e, layout.tp, tokens)
+    accum = max(1, math.ceil(t.global_batch_size / (micro * layout.dp)))
+    pipe = None
+    if layout.pp > 1:  # the busiest pipeline rank's share (rayllm.parallel.planner_pp)
+        plan_pipeline(config.parallel, accum, s.layers, compiles(t.compile, spec is not None))  # or its refusal
+        pipe = pipeline_terms(config, s, layout, e=e, tokens=tokens, microbatches=accum, offload=t.cpu_offload, ac=ac)
+        parts, by_mode, logits_loss = pipe.parts, pipe.activations_by_mode, pipe.logits_loss
+    else:
+        parts = _state_bytes(s, layout, e, t.cpu_offload)
+        by_mode, logits_loss = _activation_bytes(s, e, layout.tp, tokens)
     activations = by_mode[ac]
-    # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs.
-    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp) if n > 1)
+    # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs;
+    # a pipeline stage's receive buffers.
+    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp) if n > 1)
     shards = layout.dp_shard * layout.tp
     comm = groups * NCCL_BYTES_PER_GROUP + int(2 * s.block / shards * (2 * e + 4)) if spec and world > 1 else 0
+    comm += pipe.buffers if pipe else 0
     breakdown = {
         "parameters": parts["param_shard"] + parts["gathered"],
         "gradients": parts["grad_shard"] + parts["grad_unsharded"],
@@ -206,9 +230,8 @@ def plan_memory(
     }
     breakdown.update(_reserve(breakdown, spec, activations + logits_loss, framework_bytes))
     total = sum(breakdown.values())
-    accum = max(1, math.ceil(t.global_batch_size / (micro * layout.dp)))
-    comm_bytes = _communication(s, layout, accum, tokens, e, ac)
-    seconds = _seconds(s, layout, spec, comm_bytes, config, ac, gpus_per_node) if spec else {}
+    comm_bytes = _communication(s, layout, accum, tokens, e, ac, pipe)
+    seconds = _seconds(s, layout, spec, comm_bytes, config, ac, gpus_per_node, pipe) if spec else {}
     return MemoryPlan(
         layout=layout,
         micro_batch=micro,
@@ -224,6 +247,7 @@ def plan_memory(
         params=s.total,
         dtype="bf16" if e == 2 else "fp32",
         seconds=seconds,
+        pipeline=pipe,
     )
 
 
@@ -278,10 +302,14 @@ def _reserve(breakdown: dict[str, int], spec: GpuSpec | None, transient: int, fr
     return {"framework_reserve": framework, "allocator_slack": int(CPU_HEAP_SLACK * transient)}
 
 
-def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str) -> dict[str, int]:
+def _communication(
+    s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str, pipe: PipelineTerms | None = None
+) -> dict[str, int]:
     """Bytes each GPU sends per optimizer step (a ring moves (n-1)/n of the data per rank)."""
     tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
     ring = (shard - 1) / shard
+    if pipe is not None:
+        return _pipeline_communication(s, layout, accum, tokens, e, ac, pipe)
     # Forward gathers every parameter; backward gathers the blocks again, but the last, and untied
     # the embedding again (it reshards after its forward; the head stays gathered).
     again = (s.layers - 1) * s.block + (0 if s.tied else s.root - s.held_root)
@@ -296,16 +324,43 @@ def _communication(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac
         "fsdp_reduce_scatter": int(accum * reduce * ring),
         "hsdp_all_reduce": int(all_reduce),
         "tp_collectives": int(accum * tp_volume),
+        "pp_send": 0,
     }
 
 
-def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: str, per_node: int) -> dict:
-    """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its link's speed."""
+def _pipeline_communication(
+    s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str, pipe: PipelineTerms
+) -> dict[str, int]:
+    """As _communication, for the busiest pipeline rank: its stages gathered once a step (they stay
+    gathered) and reduce-scattered once (after the last micro-batch), its blocks' TP collectives,
+    and the stages' sends."""
+    tp, shard, rep, r = layout.tp, layout.dp_shard, layout.dp_replicate, pipe.rank
+    ring = (shard - 1) / shard
+    ends = 4 * (r.first + r.last)  # the embedding's and the head's TP collectives
+    tp_volume = (TP_COLLECTIVES_PER_BLOCK[ac] * r.layers + ends) * tokens * s.d * e * (tp - 1) / tp
+    return {
+        "fsdp_all_gather": int(r.params / tp * e * ring),
+        "fsdp_reduce_scatter": int(r.params / tp * 4 * ring),
+        "hsdp_all_reduce": int(2 * (rep - 1) / rep * r.params / (tp * shard) * 4) if rep > 1 else 0,
+        "tp_collectives": int(accum * tp_volume),
+        "pp_send": pipe.p2p_bytes,
+    }
+
+
+def _seconds(
+    s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac: str, per_node: int, pipe: PipelineTerms | None
+) -> dict:
+    """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its
+    link's speed. A pipeline's step is its busiest rank's compute stretched by the schedule's
+    bubble; its sends cross nodes (the stages are the outermost axis)."""
     tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
     mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True) else EAGER_SPEED)
     compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
+    if pipe is not None:
+        compute *= pipe.max_flops_share / (1 - pipe.bubble)
     fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
     return {
+        "pp": c["pp_send"] / g.inter_node_bytes_per_s,
         "compute": compute * RECOMPUTE_FACTOR[ac],
         "mfu": mfu,
         "fsdp": (c["fsdp_all_gather"] + c["fsdp_reduce_scatter"]) / fsdp_link,
@@ -314,86 +369,10 @@ def _seconds(s: Shape, layout: Layout, g: GpuSpec, c: dict[str, int], config, ac
     }
 
 
-def _check_split(layout: Layout, config) -> None:
+def check_split(layout: Layout, config) -> None:
     m = config.model
     hidden = model_shape(m).hidden
     check_model_split(
         layout, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, hidden=hidden, seq_len=config.data.seq_len,
         tied=m.tie_embeddings,
     )  # fmt: skip
-
-
-def candidate_layouts(config, nodes: int, gpus_per_node: int) -> list[Layout]:
-    """FSDP over every GPU, and HSDP with one shard group per node, each with TP 1, 2, 4 or 8 inside a node."""
-    layouts = []
-    for tp in (t for t in (1, 2, 4, 8) if gpus_per_node % t == 0):
-        options = [Layout(1, nodes * gpus_per_node // tp, tp)]
-        options += [Layout(nodes, gpus_per_node // tp, tp)] if nodes > 1 else []
-        for layout in options:
-            try:
-                _check_split(layout, config)
-            except ConfigError:
-                continue
-            layouts.append(layout)
-    return layouts
-
-
-def recommend(config, *, gpu: str | GpuSpec, nodes: int, gpus_per_node: int) -> MemoryPlan:
-    """The plan with the shortest estimated step (MemoryPlan.step_seconds) that fits with
-    RECOMMEND_HEADROOM to spare (else at all; else the smallest); among equal estimates, full
-    matmuls (micro-batches of FULL_MATMUL_TOKENS tokens or more), then the least memory."""
-    spec = gpu_spec(gpu)
-    global_batch, seq = config.train.global_batch_size, config.data.seq_len
-    plan = partial(plan_memory, config, gpu=spec, nodes=nodes, gpus_per_node=gpus_per_node)
-    plans = []
-    for layout in candidate_layouts(config, nodes, gpus_per_node):
-        per_rank = global_batch // layout.dp if global_batch % layout.dp == 0 else 0
-        for ac in CHECKPOINT_MODES:
-            for micro in (m for m in range(per_rank, 0, -1) if per_rank % m == 0):
-                plans.append(plan(layout=layout, micro_batch=micro, activation_checkpointing=ac))
-    if not plans:
-        raise ConfigError(
-            f"no layout of {nodes} x {gpus_per_node} GPUs splits train.global_batch_size {global_batch} and the model"
-        )
-
-    def preference(p: MemoryPlan) -> tuple:
-        # Within 1% the estimates are the same: the model is not finer than that.
-        return (
-            round(math.log(p.step_seconds) / math.log(1.01)),
-            -min(p.micro_batch * seq, FULL_MATMUL_TOKENS),
-            p.total_bytes,
-        )
-
-    for ok in (lambda p: p.total_bytes <= RECOMMEND_HEADROOM * spec.memory_bytes, lambda p: p.fits):
-        fitting = [p for p in plans if ok(p)]
-        if fitting:
-            return min(fitting, key=preference)
-    return min(plans, key=lambda p: p.total_bytes)
-
-
-def parse_layout(text: str) -> dict[str, int | str]:
-    """``tp=8,dp_replicate=2`` -> parallel settings to override."""
-    pairs = [item.strip().partition("=")[::2] for item in text.split(",") if item.strip()]
-    if not pairs or any(k.strip() not in ("dp_shard", "dp_replicate", "tp") or not v.strip() for k, v in pairs):
-        raise ConfigError(f"--layout {text!r}: write degrees as tp=8,dp_replicate=2 (dp_shard, dp_replicate, tp)")
-    return {k.strip(): int(v) if v.strip().isdigit() else v.strip() for k, v in pairs}
-
-
-def report(
-    config, *, gpu: str | None, nodes: int, gpus_per_node: int | None, micro_batch: int | None, layout: str | None
-) -> str:
-    """What ``rayllm plan`` prints: the config's own plan, and on GPUs the recommended one."""
-    spec = gpu_spec(gpu)
-    per_node = gpus_per_node or (8 if spec else config.worker_range[1])
-    for name, value in (("--nodes", nodes), ("--gpus-per-node", per_node), ("--micro-batch", micro_batch or 1)):
-        if value < 1:
-            raise ConfigError(f"{name} must be a whole number >= 1, got {value}")
-    if layout:
-        config.parallel = replace(config.parallel, **parse_layout(layout))
-    plan = plan_memory(config, gpu=spec, nodes=nodes, gpus_per_node=per_node, micro_batch=micro_batch)
-    where = f"{nodes} x {per_node} {spec.name}" if spec else f"{nodes * per_node} CPU rank(s)"
-    out = [f"[{config.run.name} on {where}]", plan.format()]
-    if spec:
-        best = recommend(config, gpu=spec, nodes=nodes, gpus_per_node=per_node)
-        out += ["recommended: " + best.summary(), "  " + best.comm_line()]
-    return "\n".join(out)

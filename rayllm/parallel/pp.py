@@ -15,6 +15,8 @@ with torch is rayllm.parallel.pipeline's.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -69,7 +71,7 @@ def split_stages(shape: ModelShape, stages: int, seq_len: int) -> list[StagePart
             f"model's {n} layers each: lower parallel.pp or parallel.pp_stages_per_rank"
         )
     costs = part_costs(shape, seq_len)
-    bounds = _balanced_bounds(n, stages, costs)
+    bounds = _balanced_bounds(n, stages, costs)  # cached: a list never changed here
     return [
         StagePart(index=s, layers=range(bounds[s], bounds[s + 1]), first=s == 0, last=s == stages - 1)
         for s in range(stages)
@@ -95,6 +97,7 @@ def stage_cost(part: StagePart, costs: PartCosts) -> float:
     return len(part.layers) * costs.block + costs.embedding * part.first + costs.head * part.last
 
 
+@functools.cache  # the planner asks again for every candidate plan of one model
 def _balanced_bounds(n: int, stages: int, costs: PartCosts) -> list[int]:
     """Cut points 0 = b0 < b1 < ... < b_stages = n minimising the heaviest stage (then the
     earliest stages lighter, which hold more micro-batches' activations under 1F1B)."""
@@ -103,21 +106,23 @@ def _balanced_bounds(n: int, stages: int, costs: PartCosts) -> list[int]:
         extra = costs.embedding * (stage == 0) + costs.head * (stage == stages - 1)
         return (hi - lo) * costs.block + extra
 
-    # best[s][i]: (heaviest stage, cut list) for the first i layers in s + 1 stages.
-    best: list[list[tuple[float, list[int]] | None]] = [[None] * (n + 1) for _ in range(stages)]
+    # best[s][i]: the heaviest stage when the first i layers go to s + 1 stages, and where the
+    # last of them begins (the earliest such cut on ties, so earlier stages hold no more).
+    best = [[math.inf] * (n + 1) for _ in range(stages)]
+    start = [[0] * (n + 1) for _ in range(stages)]
     for i in range(1, n + 1):
-        best[0][i] = (cost(0, 0, i), [0, i])
+        best[0][i] = cost(0, 0, i)
     for s in range(1, stages):
         for i in range(s + 1, n + 1):
-            options = []
             for j in range(s, i):  # stage s holds layers j..i-1
-                prior = best[s - 1][j]
-                if prior is not None:
-                    options.append((max(prior[0], cost(s, j, i)), j, prior[1] + [i]))
-            # Ties: the earlier cut, so earlier stages hold no more than later ones.
-            heaviest, _, cuts = min(options)
-            best[s][i] = (heaviest, cuts)
-    return best[stages - 1][n][1]
+                heaviest = max(best[s - 1][j], cost(s, j, i))
+                if heaviest < best[s][i]:
+                    best[s][i], start[s][i] = heaviest, j
+    cuts, i = [n], n
+    for s in range(stages - 1, 0, -1):
+        i = start[s][i]
+        cuts.append(i)
+    return [0, *reversed(cuts)]
 
 
 ONE_STAGE = ("1F1B", "GPipe")  # one stage per rank

@@ -126,6 +126,7 @@ PUBLISHED = {  # parameters, from the published configs (Llama: exact; GPT-2: wi
     "llama-1b-1gpu.yaml": (1_235_814_400, 0.0),  # the same on one GPU
     "llama-8b.yaml": (8_030_261_248, 0.0),  # Llama 3.1 8B
     "llama-70b.yaml": (70_553_706_496, 0.0),  # Llama 3.1 70B
+    "llama-405b.yaml": (405_853_388_800, 0.0),  # Llama 3.1 405B
     "gpt2-124m.yaml": (124_439_808, 0.01),  # GPT-2 small (its learned positions and biases aside)
 }
 

@@ -11,14 +11,8 @@ import pytest
 from rayllm.cli import main
 from rayllm.config import TrainConfig
 from rayllm.parallel.layout import CHECKPOINT_MODES, Layout, resolve_layout
-from rayllm.parallel.planner import (
-    EAGER_SPEED,
-    EXPOSED_FSDP_SHARE,
-    RECOMMEND_HEADROOM,
-    candidate_layouts,
-    plan_memory,
-    recommend,
-)
+from rayllm.parallel.plan_choice import candidate_layouts, recommend
+from rayllm.parallel.planner import EAGER_SPEED, EXPOSED_FSDP_SHARE, RECOMMEND_HEADROOM, plan_memory
 
 LLAMA_8B_PARAMS = 8_030_261_248  # Meta's published count for Llama 3.1 8B
 LLAMA_70B_SHAPE = [
@@ -90,7 +84,7 @@ def test_plan_llama_8b_on_4_nodes_of_8_h100(capsys):
 def test_recommend_takes_the_shortest_estimated_step_and_the_presets_are_what_it_takes():
     """Each preset's own layout is the recommendation for the hardware it is planned for, and no
     candidate that fits is estimated faster (within the 1% the estimate is not finer than)."""
-    for preset, nodes in (("configs/llama-8b.yaml", 4), ("configs/llama-70b.yaml", 8)):
+    for preset, nodes in (("configs/llama-8b.yaml", 4), ("configs/llama-70b.yaml", 8), ("configs/llama-405b.yaml", 16)):
         config = TrainConfig.from_yaml(preset)
         best = recommend(config, gpu="h100-80gb", nodes=nodes, gpus_per_node=8)
         own = plan_memory(config, gpu="h100-80gb", nodes=nodes, gpus_per_node=8)
@@ -157,3 +151,56 @@ def test_plan_unknown_gpu_is_a_one_line_error(capsys):
     assert main(["plan", "configs/llama-8b.yaml", "--gpu", "h100"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "rayllm: error: unknown GPU 'h100'; choose one of: h100-80gb, h100-80gb-tcpx, h200, a100-80gb, l40s"
+
+
+def _llama_405b(*overrides: str) -> TrainConfig:
+    return TrainConfig.from_yaml("configs/llama-405b.yaml", overrides=list(overrides))
+
+
+def test_a_pipeline_rank_holds_its_stages_gathered_and_the_schedules_in_flight_activations():
+    """PP 8 x FSDP 8 x TP 8 (torchtitan's 405B layout on 512 GPUs), 1F1B: each term of the busiest
+    rank by hand from its stages (torch's stage keeps them gathered, and their fp32 gradients
+    unsharded, for the whole step) and 1F1B's warm-up (stage s holds pp - s micro-batches)."""
+    from rayllm.parallel.planner_pp import pipeline_ranks
+
+    config = _llama_405b(
+        "cluster.num_workers=512", "parallel.pp=8", "parallel.pp_schedule=1F1B", "parallel.tp=8", "parallel.dp_shard=8"
+    )
+    layout = Layout(1, 8, 8, pp=8)
+    ranks = pipeline_ranks(config, layout, 1, 64, "1F1B")
+    assert sum(r.params for r in ranks) == 405_853_388_800  # every parameter in exactly one stage
+    assert [r.in_flight for r in ranks] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert sum(r.layers for r in ranks) == 126 and ranks[-1].layers < max(r.layers for r in ranks)  # the head weighs
+    plan = plan_memory(config, gpu="h100-80gb", nodes=64, gpus_per_node=8, activation_checkpointing="full")
+    r, tokens, block = plan.pipeline.rank, 8192, 3_187_703_808
+    shard = 4 * -(-r.params // 64)
+    assert plan.parts == {
+        "param_shard": shard,
+        "gathered": int(r.params / 8 * 2),
+        "grad_shard": shard,
+        "grad_unsharded": int((r.params * 4 + block * 2) / 8),
+    }
+    assert plan.breakdown["optimizer"] == 2 * shard
+    # Full checkpointing: each held micro-batch keeps every block's input (on the sequence shard),
+    # and one block is recomputed at a time.
+    held = r.in_flight * r.layers * 2 * 16384 * tokens / 8
+    assert plan.breakdown["activations"] == int(held + plan.activations_by_mode["off"] / (r.in_flight * r.layers))
+    assert plan.accum == 64 and abs(plan.pipeline.bubble - 7 / 71) < 1e-12
+    assert plan.comm_bytes_per_step["pp_send"] == 2 * 64 * tokens * 16384 * 2 // 8
+
+
+def test_the_planner_weighs_pipelines_against_fsdp_and_names_what_does_not_fit():
+    """On 16 nodes no pipeline of Llama 405B fits an H100 (the stages' gathered parameters and
+    unsharded gradients on top of 50 GB of sharded state): FSDP x TP is recommended. On 64 nodes of
+    GCP's a3 (a quarter of p5's network per GPU) a pipeline's sends cost less than FSDP's gathers
+    across nodes, and PP is recommended."""
+    from rayllm.parallel.plan_choice import recommend
+
+    for pp in (2, 4, 8, 16):
+        for micro in (1, 2):
+            config = _llama_405b("cluster.num_workers=128", f"parallel.pp={pp}", "parallel.pp_schedule=1F1B")
+            plan = plan_memory(config, gpu="h100-80gb", nodes=16, gpus_per_node=8, micro_batch=micro)
+            assert not plan.fits, plan.summary()
+    assert recommend(_llama_405b(), gpu="h100-80gb", nodes=16, gpus_per_node=8).layout.pp == 1
+    tcpx = recommend(_llama_405b(), gpu="h100-80gb-tcpx", nodes=64, gpus_per_node=8)
+    assert tcpx.layout.pp > 1 and tcpx.fits, tcpx.summary()
