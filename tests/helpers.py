@@ -60,6 +60,17 @@ def losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+def val_losses(records: list[dict]) -> dict[int, float]:
+    """Each validation's loss, by step."""
+    return {r["step"]: r["val_loss"] for r in records if r["kind"] == "val"}
+
+
+def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:
+    """Losses of two runs within the parity bound (relative 1e-4) at each of ``steps``."""
+    for step in steps:
+        assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
+
+
 def checkpoint_registered(run_dir) -> bool:
     """Whether Ray Train has registered a checkpoint of the run yet (so a failure now resumes from one)."""
     try:

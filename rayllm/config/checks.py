@@ -99,6 +99,7 @@ RANGES: dict[str, tuple[Range, str]] = {
     "model.dim": (_COUNT, "set the model width, for example 256"),
     "model.n_layers": (_COUNT, "set the number of transformer blocks, for example 4"),
     "parallel.pp": (_COUNT, "set the pipeline stages, for example 1 (no pipeline) or 4"),
+    "parallel.cp": (_COUNT, "set the ranks that split every sequence, for example 1 (none) or 2"),
     "model.n_heads": (_COUNT, "set the attention heads, for example 8"),
     "model.n_kv_heads": (_COUNT, "set the key/value heads (model.n_heads for no grouping), for example 4"),
     "model.vocab_size": (Range(2), "set at least the tokenizer's size (EOS and one more token), for example 4096"),

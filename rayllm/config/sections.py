@@ -178,6 +178,9 @@ class ParallelSettings:
     pp_schedule: str = "1F1B"
     # Stages each rank holds: auto is 1 for one-stage schedules (1F1B, GPipe), 2 for the others.
     pp_stages_per_rank: int | str = "auto"
+    # Context parallelism (rayllm.parallel.cp): ranks that split every sequence for attention
+    # (ring attention, causal load-balanced), next to tp; for contexts past what one GPU holds.
+    cp: int = 1
 
 
 @dataclass

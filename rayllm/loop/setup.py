@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from rayllm.checkpoint import hf_import
 from rayllm.config import TrainConfig
@@ -16,7 +18,7 @@ from rayllm.loop.session import Session
 from rayllm.model import Llama, ModelArgs
 from rayllm.parallel.apply import parallelize
 from rayllm.parallel.layout import Layout
-from rayllm.parallel.mesh import build_mesh
+from rayllm.parallel.mesh import build_mesh, cp_mesh
 from rayllm.parallel.pipeline import Pipeline, build_pipeline
 from rayllm.parallel.pp import plan_pipeline
 
@@ -42,15 +44,26 @@ def agreed_ranks_per_node(session: Session) -> int | None:
     return int(t[0]) if int(t[0]) == -int(t[1]) else None
 
 
+@dataclass
+class LaidOutModel:
+    """What a rank trains: the model (or its pipeline stages under the plain names) and how it runs."""
+
+    model: nn.Module
+    pipeline: Pipeline | None  # parallel.pp: this rank's stages and their schedule
+    cp_mesh: DeviceMesh | None  # parallel.cp: the ranks that split every sequence with this one
+
+
 def parallel_model(
     config: TrainConfig, layout: Layout, device: torch.device, dtype: torch.dtype, compile: bool, accum: int
-) -> tuple[nn.Module, Pipeline | None]:
+) -> LaidOutModel:
     """Collective: the model laid out over ``layout``'s ranks, built on ``meta`` and materialised
     shard by shard (rayllm.parallel.apply), with no pipeline; or under ``parallel.pp`` this rank's
     stages (their parts under the plain model's names) and the pipeline that runs them, one
     micro-batch per accumulation step (``accum``)."""
     t = config.train
     args = model_args(config)
+    mesh = build_mesh(layout, device.type) if layout.world_size > 1 else None
+    cp = cp_mesh(mesh) if layout.cp > 1 else None
     lay_out = functools.partial(
         parallelize,
         dtype=dtype,
@@ -61,12 +74,12 @@ def parallel_model(
         float8=t.float8,
         device=device,
         seed=t.seed,
+        mesh=mesh,
     )
     if layout.pp == 1:
         with torch.device("meta"):  # nothing allocated: each rank materialises only its shards
             model = Llama(args)
-        return lay_out(model), None
+        return LaidOutModel(lay_out(model), None, cp)
     plan = plan_pipeline(config.parallel, accum, args.n_layers, compile)
-    mesh = build_mesh(layout, device.type)
-    pipeline = build_pipeline(args, plan, mesh, device, functools.partial(lay_out, mesh=mesh))
-    return pipeline.model, pipeline
+    pipeline = build_pipeline(args, plan, mesh, device, lay_out)
+    return LaidOutModel(pipeline.model, pipeline, cp)

@@ -75,16 +75,16 @@ class Trainer:
         self.nodes = all_nodes(session.node)  # each rank's, in rank order
         check_placement(self.layout, self.nodes)  # before any group of the layout is made
         self.accum = check_batch_split(t.global_batch_size, t.micro_batch_size, self.layout.dp)
-        self.slicing = DataSlicing(session.world_size, ranks_per_slice=self.layout.tp, stages=self.layout.pp)
+        ranks_per_slice = self.layout.cp * self.layout.tp  # CP and TP peers train on the same rows
+        self.slicing = DataSlicing(session.world_size, ranks_per_slice=ranks_per_slice, stages=self.layout.pp)
         self.data_rank = self.slicing.slice_of(session.rank)
         self.dtype = compute_dtype(t.precision, self.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.compile = agree_on_compile(t.compile, self.device)  # eager, with a warning, if it cannot work
         # The whole model laid out over the ranks, or (parallel.pp) this rank's pipeline stages.
-        self.model, self.pipeline = parallel_model(
-            config, self.layout, self.device, self.dtype, self.compile.compile, self.accum
-        )
+        laid_out = parallel_model(config, self.layout, self.device, self.dtype, self.compile.compile, self.accum)
+        self.model, self.pipeline, self.cp_mesh = laid_out.model, laid_out.pipeline, laid_out.cp_mesh
         self.optimizer = build_optimizer(self.model, config, self.device)
         self.step = 0
         self.consumed = 0  # sequences of the global stream already trained on
@@ -165,7 +165,7 @@ class Trainer:
             batch = batch.pin_memory()
         batch = batch.to(self.device, non_blocking=True).long()  # widened on the device, after the copy
         set_lr(self.optimizer, self.step, self.config)
-        total = forward_backward(self.model, self.pipeline, batch, t.micro_batch_size, self.step)
+        total = forward_backward(self.model, self.pipeline, self.cp_mesh, batch, t.micro_batch_size, self.step)
         faults.maybe_hang(self.step + 1, self.session.rank)
         max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
         norm = clip_gradients(self.model.parameters(), max_norm, self.pipeline.group if self.pipeline else None)
@@ -217,7 +217,9 @@ class Trainer:
         fpt, peaks = self._announce_start()
         batches = prefetched(session.train_batches(self.data_state, self.consumed - self.data_origin, self.slicing))
         # Built here, not in __init__: its model accessor would tie the Trainer in a reference cycle.
-        validator = Validator(self.config, session, lambda: self.model, self.layout, self.data_rank, self.pipeline)
+        validator = Validator(
+            self.config, session, lambda: self.model, self.layout, self.data_rank, self.pipeline, self.cp_mesh
+        )
         if self.step == 0 and (val := validator.loss()) is not None:
             self._emit(events.Val(step=0, val_loss=val))
         window = MetricWindow(self.config, session, fpt, peaks, self.restarts, self.ledger.counts_before)

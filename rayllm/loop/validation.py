@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from rayllm.config import TrainConfig
 from rayllm.data import tokenizer as tokenizers
 from rayllm.data.order import rank_slice
 from rayllm.loop.metrics import all_sum, plain
 from rayllm.model.sampling import greedy_continuations
+from rayllm.parallel.cp import sequence_parts
 from rayllm.parallel.layout import Layout
 from rayllm.parallel.pipeline import Pipeline
 from rayllm.parallel.tp import loss_context
@@ -41,8 +43,9 @@ class Validator:
         layout: Layout,
         data_rank: int,
         pipeline: Pipeline | None = None,
+        cp_mesh: DeviceMesh | None = None,
     ):
-        self.config, self.session, self.pipeline = config, session, pipeline
+        self.config, self.session, self.pipeline, self.cp_mesh = config, session, pipeline, cp_mesh
         self.val_spec, self.train_spec = session.val_spec, session.train_spec
         self.model, self.device, self.layout, self.data_rank = model, session.device, layout, data_rank
         self._rows: list[np.ndarray] | None = None
@@ -70,8 +73,9 @@ class Validator:
                 count += len(batch)
                 continue
             for rows_i in batch.split(t.micro_batch_size):
-                with loss_context(model):
-                    total += plain(model(rows_i[:, :-1], rows_i[:, 1:])).item() * len(rows_i)
+                parts = sequence_parts(self.cp_mesh, model, rows_i[:, :-1], rows_i[:, 1:])
+                with loss_context(model), parts as (tokens, targets):  # under CP: this rank's part's mean
+                    total += plain(model(tokens, targets)).item() * len(rows_i)
                 count += len(rows_i)
         model.train()
         total, count = all_sum([total, count], self.device)
@@ -79,10 +83,15 @@ class Validator:
 
     def samples(self) -> list[dict[str, str]]:
         """Collective: greedy continuations of train.sample_prompts, decoded (rank 0 reports them);
-        none under TP (decoding one position at a time cannot be split along the sequence) or a
-        pipeline (its schedule runs whole batches of fixed shape)."""
+        none under TP or CP (decoding one position at a time cannot be split along the sequence) or
+        a pipeline (its schedule runs whole batches of fixed shape)."""
         t = self.config.train
-        if t.sample_tokens <= 0 or not t.sample_prompts or self.layout.tp > 1 or self.pipeline is not None:
+        if (
+            t.sample_tokens <= 0
+            or not t.sample_prompts
+            or self.layout.tp * self.layout.cp > 1
+            or self.pipeline is not None
+        ):
             return []
         if self._tokenizer is None:
             source = self.train_spec.sources[0]

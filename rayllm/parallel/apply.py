@@ -33,8 +33,8 @@ def needs_fsdp(layout: Layout, dtype: torch.dtype, cpu_offload: bool) -> bool:
     """Whether ``fully_shard`` earns its keep: with one data-parallel rank in fp32 there is nothing to
     shard or cast, and FSDP would only add a copy of every weight and gradient to each step (about
     7% of the tiny config's step on CPU). bf16 keeps it for its mixed-precision policy, offload
-    for its offload policy."""
-    return layout.dp > 1 or dtype != torch.float32 or cpu_offload
+    for its offload policy, context parallelism for its gradient average over the CP ranks."""
+    return layout.dp * layout.cp > 1 or dtype != torch.float32 or cpu_offload
 
 
 def parallelize(
@@ -77,7 +77,7 @@ def parallelize(
     )
     on_meta = model.rope_cos.is_meta
     fsdp = needs_fsdp(layout, dtype, cpu_offload)
-    if mesh is None and (fsdp or layout.tp > 1):
+    if mesh is None and (fsdp or layout.tp > 1 or layout.cp > 1):
         mesh = build_mesh(layout, device.type)
     if float8:
         check_float8(device)

@@ -1,11 +1,11 @@
 """How a world of ranks splits into parallel axes: pure arithmetic, no torch.
 
-Ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp), as ``init_device_mesh``
+Ranks are laid out row-major over (pp, dp_replicate, dp_shard, cp, tp), as ``init_device_mesh``
 numbers them (torchtitan's order): the ``tp`` ranks of one group are neighbours (one node's
 GPUs), and the pipeline's stages are the outermost axis, so its point-to-point sends are what
 crosses the network while FSDP's gathers stay among nearer ranks. Every rank of a TP group is
-fed the same rows, and so is every stage of one pipeline: the data stream is cut into
-``dp`` slices (rayllm.data.order.DataSlicing, which the training loop builds from a Layout).
+fed the same rows, and so is every rank of a CP group (each takes its part of every sequence)
+and every stage of one pipeline: the data stream is cut into ``dp`` slices (rayllm.data.order.DataSlicing, which the training loop builds from a Layout).
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ class Layout:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1  # pipeline stages (rayllm.parallel.pipeline), the outermost axis
+    cp: int = 1  # context parallelism (rayllm.parallel.cp): ranks that split every sequence
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -44,6 +45,8 @@ class Layout:
             parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
         elif self.dp_shard > 1:
             parts.append(f"FSDP {self.dp_shard}")
+        if self.cp > 1:
+            parts.append(f"CP {self.cp}")
         if self.tp > 1:
             parts.append(f"TP {self.tp}")
         return " x ".join(parts) or "1 rank"
@@ -69,8 +72,9 @@ def resolve_layout(
 
     auto: tp is ``ranks_per_node`` (at most 8) for a GPU model of 30B parameters or more, else 1;
     dp_replicate is the number of nodes when a GPU run spans several whole nodes (HSDP: all-gathers
-    stay inside a node), else 1; dp_shard is what the other two leave. ``parallel.pp`` is never
-    auto: each pipeline stage holds ``world_size / pp`` ranks, laid out as above.
+    stay inside a node), else 1; dp_shard is what the other two leave. ``parallel.pp`` and
+    ``parallel.cp`` are never auto: each pipeline stage holds ``world_size / pp`` ranks, laid out
+    as above, with ``cp x tp`` neighbouring ranks in place of ``tp``.
     """
     pp = _degree("pp", settings.pp)
     if pp is None or world_size % pp:
@@ -79,6 +83,7 @@ def resolve_layout(
             "stages that divides the number of workers"
         )
     world_size //= pp  # the ranks of one stage: what the other axes lay out
+    cp = _degree("cp", settings.cp) or 1  # a number: config.checks.RANGES
     tp = _degree("tp", settings.tp)
     replicate = _degree("dp_replicate", settings.dp_replicate)
     shard = _degree("dp_shard", settings.dp_shard)
@@ -86,18 +91,19 @@ def resolve_layout(
     if tp is None:
         big = use_gpu and ranks_per_node and n_params is not None and n_params >= TP_AUTO_MIN_PARAMS
         tp = min(8, ranks_per_node) if big else 1
+    inner = cp * tp  # neighbours that train on the same rows
     if replicate is None:
         replicate = world_size // ranks_per_node if use_gpu and whole_nodes else 1
-        if shard is not None and replicate * shard * tp != world_size:
-            replicate = max(1, world_size // (shard * tp))
+        if shard is not None and replicate * shard * inner != world_size:
+            replicate = max(1, world_size // max(1, shard * inner))
     if shard is None:
-        shard = world_size // (replicate * tp) if world_size % (replicate * tp) == 0 else 0
-    layout = Layout(replicate, shard, tp, pp)
+        shard = world_size // (replicate * inner) if world_size % (replicate * inner) == 0 else 0
+    layout = Layout(replicate, shard, tp, pp, cp)
     if shard < 1 or layout.world_size != world_size * pp:
         raise ConfigError(
-            f"parallel: pp {pp} x dp_replicate {settings.dp_replicate} x dp_shard {settings.dp_shard} x tp "
-            f"{settings.tp} does not lay out {world_size * pp} ranks; pick degrees whose product is the number of "
-            "workers (auto fills one in)"
+            f"parallel: pp {pp} x dp_replicate {settings.dp_replicate} x dp_shard {settings.dp_shard} x cp "
+            f"{settings.cp} x tp {settings.tp} does not lay out {world_size * pp} ranks; pick degrees whose product "
+            "is the number of workers (auto fills one in)"
         )
     return layout
 
@@ -108,6 +114,17 @@ def check_model_split(
     """Tensor parallelism splits heads, the feed-forward width (None: not known yet) and, sequence
     parallel, the sequence."""
     tp = layout.tp
+    cp = layout.cp
+    if cp > 1 and seq_len % (2 * cp * tp):
+        raise ConfigError(
+            f"parallel.cp {cp} needs data.seq_len ({seq_len}) to be a multiple of 2 x cp x tp ({2 * cp * tp}): each "
+            "rank takes a head and a tail chunk of every sequence (causal attention's load balance), split by tp"
+        )
+    if cp > 1 and layout.pp > 1:
+        raise ConfigError(
+            "parallel.cp > 1 with parallel.pp > 1 is not supported yet (a pipeline's schedule does not run stages "
+            "under context parallelism); pick one of them"
+        )
     if tied and layout.pp > 1:
         raise ConfigError(
             "parallel.pp > 1 with model.tie_embeddings is not supported (the embedding and the output head live in "
@@ -132,7 +149,7 @@ def unit(settings) -> int:
     """Ranks the world grows and shrinks by: one whole (dp_shard x tp) group, or one TP group, in
     every pipeline stage (a whole pipeline replica)."""
     pp = settings.pp if isinstance(settings.pp, int) else 1
-    tp = settings.tp if isinstance(settings.tp, int) else 1
+    tp = (settings.tp if isinstance(settings.tp, int) else 1) * (settings.cp if isinstance(settings.cp, int) else 1)
     shard = settings.dp_shard if isinstance(settings.dp_shard, int) else 1
     replicate = settings.dp_replicate if isinstance(settings.dp_replicate, int) else 1
     if settings.dp_shard == AUTO:

@@ -1,7 +1,9 @@
-"""The DeviceMesh of a layout: four named axes, (pp, dp_replicate, dp_shard, tp), always.
+"""The DeviceMesh of a layout: five named axes, (pp, dp_replicate, dp_shard, cp, tp), always.
 
 Size-1 axes cost nothing and keep one code path for every layout: FSDP takes the
-data-parallel sub-mesh (2-D, replicate x shard, is HSDP), TP takes the "tp" axis, and the
+data-parallel sub-mesh (2-D, replicate x shard, is HSDP), with the CP ranks folded into its
+shard axis (each holds a part of every sequence, so their gradients are averaged like data
+parallelism's); TP takes the "tp" axis, context parallelism's ring runs over "cp", and the
 pipeline's stages send to each other over the "pp" axis's group.
 """
 
@@ -12,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from rayllm.parallel.layout import Layout
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -21,13 +23,23 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
         raise ValueError(
             f"layout {layout} needs {layout.world_size} ranks, the process group has {dist.get_world_size()}"
         )
-    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    shape = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=AXES)
 
 
 def dp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
-    """What FSDP shards over: (replicate, shard) for HSDP, else the shard axis alone."""
-    return mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    """What FSDP shards over: (replicate, shard) for HSDP, else the shard axis alone; under CP the
+    shard axis is dp_shard x cp, flattened."""
+    shard = "dp_shard"
+    if layout.cp > 1:
+        shard = "dp_shard_cp"
+        if shard not in (mesh.mesh_dim_names or ()):
+            mesh["dp_shard", "cp"]._flatten(shard)  # registered on the whole mesh, by name
+    return mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]
+
+
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    return mesh["cp"]
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -21,18 +21,27 @@ from rayllm.parallel.planner import (
     plan_memory,
 )
 
+# Context parallelism is weighed from this sequence length up. Below it a rank's chunk of a
+# sequence is short enough that the ring's per-step latency and smaller attention kernels cost
+# what the plan does not count, and TP splits the same compute (torchtitan and Megatron-LM
+# use CP for contexts from 32k to 64k tokens up).
+CP_MIN_SEQ_LEN = 32768
+
 
 def candidate_layouts(config, nodes: int, gpus_per_node: int) -> list[Layout]:
     """FSDP over every GPU, and HSDP with one shard group per node, each with TP 1, 2, 4 or 8 inside a
     node; on several nodes also pipelines of whole nodes per stage (pp dividing the nodes), each
-    stage laid out the same ways."""
+    stage laid out the same ways; without a pipeline and for sequences of CP_MIN_SEQ_LEN tokens or
+    more, context parallelism of 2, 4 or 8 beside TP inside a node."""
     layouts = []
-    for tp, pp in itertools.product((1, 2, 4, 8), (p for p in range(1, nodes + 1) if nodes % p == 0)):
-        if gpus_per_node % tp:
+    pps = (p for p in range(1, nodes + 1) if nodes % p == 0)
+    cps = (1, 2, 4, 8) if config.data.seq_len >= CP_MIN_SEQ_LEN else (1,)
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), pps, cps):
+        if gpus_per_node % (tp * cp) or (cp > 1 and pp > 1):
             continue
         stage_nodes = nodes // pp
-        options = [Layout(1, stage_nodes * gpus_per_node // tp, tp, pp)]
-        options += [Layout(stage_nodes, gpus_per_node // tp, tp, pp)] if stage_nodes > 1 else []
+        options = [Layout(1, stage_nodes * gpus_per_node // (tp * cp), tp, pp, cp)]
+        options += [Layout(stage_nodes, gpus_per_node // (tp * cp), tp, pp, cp)] if stage_nodes > 1 else []
         for layout in options:
             try:
                 check_split(layout, config)

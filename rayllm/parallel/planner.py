@@ -98,7 +98,9 @@ class MemoryPlan:
         if not t:
             return None
         hideable = (1 - EXPOSED_FSDP_SHARE) * t["fsdp"]
-        exposed = EXPOSED_FSDP_SHARE * t["fsdp"] + max(0.0, hideable - t["compute"]) + t["tp"] + t["hsdp"] + t["pp"]
+        exposed = (
+            EXPOSED_FSDP_SHARE * t["fsdp"] + max(0.0, hideable - t["compute"]) + t["tp"] + t["hsdp"] + t["pp"] + t["cp"]
+        )
         return t["compute"] + exposed
 
     def summary(self) -> str:
@@ -107,6 +109,7 @@ class MemoryPlan:
         fits = "" if self.fits is None else (": fits" if self.fits else ": does NOT fit")
         lay = self.layout
         pp, pipe = f"pp {lay.pp} x " if lay.pp > 1 else "", self.pipeline
+        cp = f"cp {lay.cp} x " if lay.cp > 1 else ""
         stages = ""
         if pipe is not None:
             busiest = (
@@ -114,7 +117,7 @@ class MemoryPlan:
             )
             stages = f" of {pipe.schedule}, bubble {pipe.bubble:.0%}, {busiest}"
         return (
-            f"{lay.describe()} ({pp}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x tp {lay.tp}), "
+            f"{lay.describe()} ({pp}dp_replicate {lay.dp_replicate} x dp_shard {lay.dp_shard} x {cp}tp {lay.tp}), "
             f"micro-batch {self.micro_batch} ({self.accum} {'micro-batches' if pp else 'accumulation steps'}{stages}), "
             f"activation checkpointing {ac}: {_gib(self.total_bytes)}{where} per {'GPU' if self.gpu else 'rank'}{fits}"
         )
@@ -127,8 +130,10 @@ class MemoryPlan:
             f"TP collectives {c['tp_collectives'] / 1e9:,.1f} GB"
         )
         line += f", pipeline sends {c['pp_send'] / 1e9:,.1f} GB" if self.pipeline else ""
+        line += f", CP ring {c['cp_ring'] / 1e9:,.1f} GB" if self.layout.cp > 1 else ""
         if t:
             pp = f", PP {t['pp']:.2f} s" if self.pipeline else ""
+            pp += f", CP {t['cp']:.2f} s" if self.layout.cp > 1 else ""
             line += (
                 f"\n  at link speed: FSDP {t['fsdp']:.2f} s, HSDP {t['hsdp']:.2f} s, TP {t['tp']:.2f} s{pp}; "
                 f"compute {t['compute']:.2f} s at {t['mfu']:.0%} MFU{'' if t['mfu'] == ASSUMED_MFU else ' (eager)'}; "
@@ -203,7 +208,7 @@ def plan_memory(
     micro = micro_batch or t.micro_batch_size
     ac = checkpoint_mode(t.activation_checkpointing if activation_checkpointing is None else activation_checkpointing)
     e = 2 if t.precision == "bf16" or (t.precision == "auto" and spec is not None) else 4
-    tokens = micro * config.data.seq_len
+    tokens = micro * config.data.seq_len // layout.cp  # a rank's part of each micro-batch (CP splits sequences)
     accum = max(1, math.ceil(t.global_batch_size / (micro * layout.dp)))
     pipe = None
     if layout.pp > 1:  # the busiest pipeline rank's share (rayllm.parallel.planner_pp)
@@ -216,8 +221,8 @@ def plan_memory(
     activations = by_mode[ac]
     # NCCL's buffers per communicator in use; FSDP's all-gather inputs and reduce-scatter outputs;
     # a pipeline stage's receive buffers.
-    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp) if n > 1)
-    shards = layout.dp_shard * layout.tp
+    groups = sum(1 for n in (layout.dp_shard, layout.dp_replicate, layout.tp, layout.pp, layout.cp) if n > 1)
+    shards = layout.dp_shard * layout.cp * layout.tp
     comm = groups * NCCL_BYTES_PER_GROUP + int(2 * s.block / shards * (2 * e + 4)) if spec and world > 1 else 0
     comm += pipe.buffers if pipe else 0
     breakdown = {
@@ -253,8 +258,8 @@ def plan_memory(
 
 def _state_bytes(s: Shape, layout: Layout, e: int, cpu_offload: bool) -> dict[str, int]:
     """Parameters' and gradients' bytes per rank: param_shard, gathered, grad_shard, grad_unsharded."""
-    tp, shard, dp = layout.tp, layout.dp_shard, layout.dp
-    fsdp = dp > 1 or e != 4 or cpu_offload  # as rayllm.parallel.apply.needs_fsdp
+    tp, shard, dp = layout.tp, layout.dp_shard * layout.cp, layout.dp  # FSDP shards over dp_shard x cp
+    fsdp = dp * layout.cp > 1 or e != 4 or cpu_offload  # as rayllm.parallel.apply.needs_fsdp
     on_gpu_state = 0 if cpu_offload else 1  # offload keeps the sharded state in CPU memory
     # Parameters: the fp32 master copy, sharded over dp_shard x tp (HSDP replicates it across
     # dp_replicate). FSDP all-gathers each unit in compute dtype for its forward and backward, the
@@ -306,7 +311,7 @@ def _communication(
     s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str, pipe: PipelineTerms | None = None
 ) -> dict[str, int]:
     """Bytes each GPU sends per optimizer step (a ring moves (n-1)/n of the data per rank)."""
-    tp, shard, rep = layout.tp, layout.dp_shard, layout.dp_replicate
+    tp, shard, rep = layout.tp, layout.dp_shard * layout.cp, layout.dp_replicate
     ring = (shard - 1) / shard
     if pipe is not None:
         return _pipeline_communication(s, layout, accum, tokens, e, ac, pipe)
@@ -325,7 +330,16 @@ def _communication(
         "hsdp_all_reduce": int(all_reduce),
         "tp_collectives": int(accum * tp_volume),
         "pp_send": 0,
+        "cp_ring": _cp_ring_bytes(s, layout, accum, tokens, e, ac),
     }
+
+
+def _cp_ring_bytes(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str) -> int:
+    """Context parallelism's ring: each rank's keys and values (``tokens`` of its part, KV heads split
+    by TP) go to the cp - 1 others in every block's attention forward, again with their gradients
+    in backward, and once more when full checkpointing recomputes the forward."""
+    passes = 3 + (ac == "full")
+    return int(accum * s.layers * (layout.cp - 1) * tokens * 2 * s.kv / layout.tp * e * passes)
 
 
 def _pipeline_communication(
@@ -344,6 +358,7 @@ def _pipeline_communication(
         "hsdp_all_reduce": int(2 * (rep - 1) / rep * r.params / (tp * shard) * 4) if rep > 1 else 0,
         "tp_collectives": int(accum * tp_volume),
         "pp_send": pipe.p2p_bytes,
+        "cp_ring": 0,  # CP with a pipeline is refused (rayllm.parallel.layout.check_model_split)
     }
 
 
@@ -353,13 +368,17 @@ def _seconds(
     """Rough step time: compute at ASSUMED_MFU (a third more with recompute); each collective at its
     link's speed. A pipeline's step is its busiest rank's compute stretched by the schedule's
     bubble; its sends cross nodes (the stages are the outermost axis)."""
-    tokens = config.train.global_batch_size * config.data.seq_len / layout.dp
+    tokens = config.train.global_batch_size * config.data.seq_len / (layout.dp * layout.cp)
     mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True) else EAGER_SPEED)
     compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
     if pipe is not None:
         compute *= pipe.max_flops_share / (1 - pipe.bubble)
-    fsdp_link = g.intra_node_bytes_per_s if layout.dp_shard * layout.tp <= per_node else g.inter_node_bytes_per_s
+    fsdp_link = (
+        g.intra_node_bytes_per_s if layout.dp_shard * layout.cp * layout.tp <= per_node else g.inter_node_bytes_per_s
+    )
+    cp_link = g.intra_node_bytes_per_s if layout.cp * layout.tp <= per_node else g.inter_node_bytes_per_s
     return {
+        "cp": c["cp_ring"] / cp_link,
         "pp": c["pp_send"] / g.inter_node_bytes_per_s,
         "compute": compute * RECOMPUTE_FACTOR[ac],
         "mfu": mfu,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import losses, quiet_run, torchrun_probe, torchrun_records
+from helpers import assert_close, losses, quiet_run, torchrun_probe, torchrun_records
 
 LEG_STEPS = 5
 # name: (ranks, overrides, the layout the run reports). Global batch 8: HSDP accumulates 2
@@ -23,11 +23,6 @@ LAYOUTS = {
 @pytest.fixture
 def base(overrides):
     return quiet_run(overrides)
-
-
-def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
-    for step in steps:
-        assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
 
 
 def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkpoint(base, tmp_path):
@@ -49,7 +44,7 @@ def test_every_layout_trains_like_one_process_and_resumes_another_layouts_checkp
         assert (start["step"], start["world_size"], start["layout"]) == (stop - LEG_STEPS, nproc, described)
         trained = losses(records[records.index(start) :])
         assert sorted(trained) == list(range(stop - LEG_STEPS + 1, stop + 1)), name
-        _close(trained, one, trained)
+        assert_close(trained, one, trained)
 
 
 # Measured after the probe's warm-up (the same path once on a tiny model): a 6 MB model

@@ -5,7 +5,7 @@ resharding into and out of pipelines (rayllm/parallel/pipeline.py)."""
 from __future__ import annotations
 
 import pytest
-from helpers import losses, quiet_run, torchrun_records
+from helpers import assert_close, losses, quiet_run, torchrun_records, val_losses
 
 LEG_STEPS = 5
 # Four blocks: an interleaved schedule of 2 stages per rank over 2 ranks holds one block a stage.
@@ -25,15 +25,6 @@ LEGS = {
 }
 
 
-def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
-    for step in steps:
-        assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
-
-
-def _val(records: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in records if r["kind"] == "val"}
-
-
 @pytest.fixture
 def base(overrides):
     return [*quiet_run(overrides), *FOUR_BLOCKS]
@@ -48,7 +39,7 @@ def test_pipelines_train_like_one_process_and_reshard_to_and_from_other_layouts(
     steps = LEG_STEPS * len(legs)
     run = [*base, f"train.max_steps={steps}"]
     one_records = torchrun_records(1, [*run, f"run.dir={tmp_path / 'one'}"])
-    one, one_val = losses(one_records), _val(one_records)
+    one, one_val = losses(one_records), val_losses(one_records)
     assert sorted(one) == list(range(1, steps + 1)) and one[steps] < one[1]
     assert sorted(one_val) == list(range(0, steps + 1, LEG_STEPS))
     for i, name in enumerate(legs):
@@ -59,6 +50,6 @@ def test_pipelines_train_like_one_process_and_reshard_to_and_from_other_layouts(
         assert (start["step"], start["world_size"], start["layout"]) == (stop - LEG_STEPS, nproc, described)
         trained = records[records.index(start) :]
         assert sorted(losses(trained)) == list(range(stop - LEG_STEPS + 1, stop + 1)), name
-        _close(losses(trained), one, losses(trained))
-        assert stop in _val(trained), name
-        _close(_val(trained), one_val, [stop])
+        assert_close(losses(trained), one, losses(trained))
+        assert stop in val_losses(trained), name
+        assert_close(val_losses(trained), one_val, [stop])

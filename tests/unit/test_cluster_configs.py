@@ -127,6 +127,7 @@ PUBLISHED = {  # parameters, from the published configs (Llama: exact; GPT-2: wi
     "llama-8b.yaml": (8_030_261_248, 0.0),  # Llama 3.1 8B
     "llama-70b.yaml": (70_553_706_496, 0.0),  # Llama 3.1 70B
     "llama-405b.yaml": (405_853_388_800, 0.0),  # Llama 3.1 405B
+    "llama-8b-128k.yaml": (8_030_261_248, 0.0),  # Llama 3.1 8B at a 128k context
     "gpt2-124m.yaml": (124_439_808, 0.01),  # GPT-2 small (its learned positions and biases aside)
 }
 

@@ -38,6 +38,12 @@ def test_auto_degrees_follow_the_world_and_its_nodes():
     staged = DataSlicing(8, ranks_per_slice=2, stages=2)  # Layout(1, 2, 2, pp=2)'s
     assert [staged.slice_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert [r for r in range(8) if staged.records(r)] == [0, 2]  # the first stage's first TP ranks
+    # Context parallelism sits beside TP: cp x tp neighbours share rows, each its part of them.
+    cp = _config("parallel.cp=2", "cluster.num_workers=8", "train.micro_batch_size=1").parallel
+    assert resolve_layout(cp, 8) == Layout(1, 4, 1, cp=2)
+    assert resolve_layout(cp, 32, ranks_per_node=8, use_gpu=True) == Layout(4, 4, 1, cp=2)  # HSDP, CP in a node
+    assert Layout(2, 2, 2, cp=2).describe() == "HSDP 2x2 x CP 2 x TP 2"
+    assert [DataSlicing(8, ranks_per_slice=4).slice_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
@@ -58,6 +64,10 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         "parallel.pp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
     )
     assert usable_world_sizes(pp.parallel, 2, 8, 16, 1) == [2, 4, 8]
+    cp = _config(
+        "parallel.cp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
+    )
+    assert usable_world_sizes(cp.parallel, 2, 8, 16, 1) == [2, 4, 8]  # by whole CP groups
 
 
 @pytest.mark.parametrize(
@@ -73,6 +83,15 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
             ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=8"],
             "parallel.pp_schedule 1F1B needs at least 2 micro-batches",
         ),
+        (
+            ["parallel.cp=2", "data.seq_len=250"],
+            r"parallel.cp 2 needs data.seq_len \(250\) to be a multiple of 2 x cp x tp \(4\)",
+        ),
+        (
+            ["parallel.cp=2", "parallel.pp=2", "cluster.num_workers=4"],
+            "parallel.cp > 1 with parallel.pp > 1 is not supported yet",
+        ),
+        (["parallel.cp=0"], "parallel.cp must be"),
         (
             ["parallel.tp=2", "cluster.num_workers=4", "train.global_batch_size=6", "train.micro_batch_size=2"],
             "data-parallel ranks",

@@ -84,7 +84,12 @@ def test_plan_llama_8b_on_4_nodes_of_8_h100(capsys):
 def test_recommend_takes_the_shortest_estimated_step_and_the_presets_are_what_it_takes():
     """Each preset's own layout is the recommendation for the hardware it is planned for, and no
     candidate that fits is estimated faster (within the 1% the estimate is not finer than)."""
-    for preset, nodes in (("configs/llama-8b.yaml", 4), ("configs/llama-70b.yaml", 8), ("configs/llama-405b.yaml", 16)):
+    for preset, nodes in (
+        ("configs/llama-8b.yaml", 4),
+        ("configs/llama-70b.yaml", 8),
+        ("configs/llama-405b.yaml", 16),
+        ("configs/llama-8b-128k.yaml", 4),
+    ):
         config = TrainConfig.from_yaml(preset)
         best = recommend(config, gpu="h100-80gb", nodes=nodes, gpus_per_node=8)
         own = plan_memory(config, gpu="h100-80gb", nodes=nodes, gpus_per_node=8)
@@ -204,3 +209,19 @@ def test_the_planner_weighs_pipelines_against_fsdp_and_names_what_does_not_fit()
     assert recommend(_llama_405b(), gpu="h100-80gb", nodes=16, gpus_per_node=8).layout.pp == 1
     tcpx = recommend(_llama_405b(), gpu="h100-80gb-tcpx", nodes=64, gpus_per_node=8)
     assert tcpx.layout.pp > 1 and tcpx.fits, tcpx.summary()
+
+
+def test_context_parallelism_splits_every_sequences_activations_and_adds_the_rings_traffic():
+    """Llama 3.1 8B at 131,072 tokens on 4 nodes, CP 8 in each: a GPU holds 16,384 positions of
+    each sequence (its logits and activations are those tokens'), FSDP shards over dp_shard x cp,
+    and the ring moves each block's keys and values to the 7 others three times a micro-batch,
+    four with full checkpointing; by hand."""
+    config = TrainConfig.from_yaml("configs/llama-8b-128k.yaml")
+    plan = plan_memory(config, gpu="h100-80gb", nodes=4, gpus_per_node=8)
+    assert plan.layout == Layout(4, 1, 1, cp=8) and plan.accum == 8
+    tokens = 131_072 // 8
+    assert plan.comm_bytes_per_step["cp_ring"] == 8 * 32 * 7 * tokens * 2 * 1024 * 2 * 4
+    assert plan.breakdown["logits_loss"] == int(tokens * (128_256 * 12 + (4 * 4096 + 4 + 2 * 4096) + 2 * 4096))
+    assert plan.parts["param_shard"] == 4 * -(-8_030_261_248 // 8)  # over dp_shard 1 x cp 8
+    no_cp = plan_memory(config, gpu="h100-80gb", nodes=4, gpus_per_node=8, layout=Layout(4, 8, 1))
+    assert no_cp.breakdown["logits_loss"] > 8 * plan.breakdown["logits_loss"] * 0.99 and not no_cp.fits
