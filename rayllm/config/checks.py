@@ -328,6 +328,11 @@ def check_parallel(
 ) -> None:
     """The layout must fit the smallest and the largest world, and split the batch and the model
     (and, under parallel.pp, make a pipeline torch's schedule runs)."""
+    if p.cp > 1 and use_gpu and t.precision == "fp32":
+        raise ConfigError(
+            "parallel.cp > 1 with train.precision fp32 on GPUs: CUDA's fp32 attention with grouped-query heads is the "
+            "math kernel, which torch's ring attention does not take; set train.precision: bf16 (or auto)"
+        )
     lo, hi = worker_range
     for n in sorted({lo, hi}):
         layout = resolve_layout(p, n)

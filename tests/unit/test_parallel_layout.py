@@ -92,6 +92,7 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
             "parallel.cp > 1 with parallel.pp > 1 is not supported yet",
         ),
         (["parallel.cp=0"], "parallel.cp must be"),
+        (["parallel.cp=2", "cluster.use_gpu=true", "train.precision=fp32"], "with train.precision fp32 on GPUs"),
         (
             ["parallel.tp=2", "cluster.num_workers=4", "train.global_batch_size=6", "train.micro_batch_size=2"],
             "data-parallel ranks",
