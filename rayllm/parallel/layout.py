@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rayllm.errors import ConfigError
+from rayllm.parallel.pp import microbatches_fit
 
 AUTO = "auto"
 # tp "auto" turns tensor parallelism on (a node's GPUs) from this model size up: below it,
@@ -158,7 +159,8 @@ def unit(settings) -> int:
 
 
 def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batch: int) -> list[int]:
-    """World sizes in [lo, hi] the layout and the global batch both allow (elastic runs pick one)."""
+    """World sizes in [lo, hi] the layout and the global batch both allow (elastic runs pick one),
+    and under a pipeline, its schedule's micro-batches."""
     step = unit(settings)
     sizes = []
     for n in range(lo, hi + 1):
@@ -168,7 +170,10 @@ def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batc
             layout = resolve_layout(settings, n)
         except ConfigError:
             continue
-        if global_batch % (micro_batch * layout.dp) == 0:
+        if global_batch % (micro_batch * layout.dp):
+            continue
+        microbatches = global_batch // (micro_batch * layout.dp)
+        if layout.pp == 1 or microbatches_fit(str(settings.pp_schedule), layout.pp, microbatches):
             sizes.append(n)
     return sizes
 

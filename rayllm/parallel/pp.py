@@ -152,6 +152,15 @@ class PipelinePlan:
         return list(range(pp_rank, self.n_stages, self.pp))
 
 
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # micro-batches in whole rounds of pp
+
+
+def microbatches_fit(schedule: str, pp: int, microbatches: int) -> bool:
+    """Whether torch's ``schedule`` takes ``microbatches`` per step over ``pp`` stages (fewer than
+    pp would leave stages idle; the interleaved ones run whole rounds of pp)."""
+    return microbatches >= pp and not (schedule in INTERLEAVED and microbatches % pp)
+
+
 def plan_pipeline(settings, microbatches: int, n_layers: int, compile: bool) -> PipelinePlan:
     """``parallel.pp*`` (ParallelSettings) for a step of ``microbatches`` per data-parallel rank,
     or a one-line refusal naming the fix of what torch's schedule would refuse (or get wrong)."""
@@ -182,9 +191,8 @@ def plan_pipeline(settings, microbatches: int, n_layers: int, compile: bool) -> 
             f"{plan.n_stages} pipeline stages (parallel.pp x parallel.pp_stages_per_rank) need at least one of the "
             f"model's {n_layers} layers each: lower parallel.pp or parallel.pp_stages_per_rank"
         )
-    whole = schedule in ("Interleaved1F1B", "InterleavedZeroBubble")
-    if pp > 1 and (microbatches < pp or (whole and microbatches % pp)):
-        what = f"a multiple of parallel.pp ({pp})" if whole else f"at least {pp}"
+    if pp > 1 and not microbatches_fit(schedule, pp, microbatches):
+        what = f"a multiple of parallel.pp ({pp})" if schedule in INTERLEAVED else f"at least {pp}"
         raise ConfigError(
             f"parallel.pp_schedule {schedule} needs {what} micro-batches per step, got {microbatches} "
             "(train.global_batch_size / (train.micro_batch_size x data-parallel ranks)); raise the global batch or "

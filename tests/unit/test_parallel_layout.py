@@ -64,6 +64,16 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         "parallel.pp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
     )
     assert usable_world_sizes(pp.parallel, 2, 8, 16, 1) == [2, 4, 8]
+    # Interleaved: 12 sequences give 6, 3 and 2 data-parallel ranks 2, 4 and 6 micro-batches (whole
+    # rounds of pp 2), but 8 ranks 3, which an interleaved schedule refuses.
+    looped = _config(
+        "parallel.pp=2",
+        "parallel.pp_schedule=Interleaved1F1B",
+        "cluster.num_workers=2",
+        "train.global_batch_size=12",
+        "train.micro_batch_size=1",
+    )
+    assert usable_world_sizes(looped.parallel, 2, 8, 12, 1) == [2, 4, 6]
     cp = _config(
         "parallel.cp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
     )
