@@ -64,8 +64,8 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         "parallel.pp=2", "cluster.num_workers=[2, 8]", "train.global_batch_size=16", "train.micro_batch_size=1"
     )
     assert usable_world_sizes(pp.parallel, 2, 8, 16, 1) == [2, 4, 8]
-    # Interleaved: 12 sequences give 6, 3 and 2 data-parallel ranks 2, 4 and 6 micro-batches (whole
-    # rounds of pp 2), but 8 ranks 3, which an interleaved schedule refuses.
+    # Interleaved: 12 sequences are 12, 6 and 4 micro-batches at 2, 4 and 6 ranks (whole rounds of
+    # pp 2), but 3 at 8 ranks, which an interleaved schedule refuses.
     looped = _config(
         "parallel.pp=2",
         "parallel.pp_schedule=Interleaved1F1B",
