@@ -180,16 +180,19 @@ def usable_world_sizes(settings, lo: int, hi: int, global_batch: int, micro_batc
 
 def check_placement(layout: Layout, nodes: list[str]) -> None:
     """Refuse a placement whose fast groups cross the network: each TP group inside one node (its
-    collectives run every layer), and under HSDP each shard group inside one node or made of
-    whole nodes (its all-gathers run every block; the replicas' all-reduce is the one meant to
-    cross nodes). ``nodes``: each rank's node, in rank order. Ranks run row-major over
-    (dp_replicate, dp_shard, tp), so a group is a run of consecutive ranks."""
+    collectives run every layer), each CP group (with its TP ranks) and under HSDP each shard
+    group inside one node or made of whole nodes (their ring and all-gathers run every block;
+    the replicas' all-reduce is the one meant to cross nodes). ``nodes``: each rank's node, in
+    rank order. Ranks run row-major over (pp, dp_replicate, dp_shard, cp, tp), so a group is a
+    run of consecutive ranks (a pipeline's stages are meant to cross nodes)."""
     per_node: dict[str, int] = {}
     for node in nodes:
         per_node[node] = per_node.get(node, 0) + 1
     groups = [("TP", layout.tp, "parallel.tp")]
+    if layout.cp > 1:  # its ring runs every block: inside a node, or over whole nodes
+        groups.append(("CP", layout.cp * layout.tp, "parallel.cp"))
     if layout.dp_replicate > 1:
-        groups.append(("HSDP shard", layout.dp_shard * layout.tp, "parallel.dp_shard"))
+        groups.append(("HSDP shard", layout.dp_shard * layout.cp * layout.tp, "parallel.dp_shard"))
     for what, size, key in groups:
         for start in range(0, len(nodes), size) if size > 1 else []:
             members = nodes[start : start + size]

@@ -38,6 +38,13 @@ def test_a_tp_group_across_two_nodes_is_refused_by_name():
     )
 
 
+def test_a_cp_group_with_part_of_a_node_is_refused_and_whole_nodes_pass():
+    check_placement(Layout(dp_shard=2, cp=8), nodes(8, 8))  # a ring per node
+    check_placement(Layout(dp_shard=1, cp=8, tp=2), nodes(8, 8))  # a ring over two whole nodes
+    with pytest.raises(ConfigError, match="the CP group of ranks 0-7 would span nodes node-0, node-1 \\(6, 2 ranks"):
+        check_placement(Layout(dp_shard=2, cp=4, tp=2), nodes(6, 6, 4))
+
+
 def test_an_hsdp_shard_group_with_part_of_a_node_is_refused():
     with pytest.raises(ConfigError, match="the HSDP shard group of ranks 0-7 would span nodes node-0, node-1"):
         check_placement(Layout(dp_replicate=2, dp_shard=8), nodes(6, 6, 4))
