@@ -178,7 +178,8 @@ def _rank_main(rank: int, world_size: int, port: int, config: TrainConfig, threa
         trainer = bench_trainer(config, rank, world_size, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), rank, world_size)
+        # The rank's data slice: TP and CP peers and a pipeline's stages share one (DataSlicing).
+        rows = rank_slice(synthetic_rows(config, config.train.global_batch_size), trainer.data_rank, trainer.layout.dp)
         losses, times = timed_steps(trainer, rows, steps, device)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
@@ -198,9 +199,13 @@ def _warm_up(config: TrainConfig, rank: int, world_size: int, device: torch.devi
     """One step of a tiny model through the same code path, before the memory baseline: what the
     first step loads once (lazily imported modules, a CUDA build's libraries, gloo's and DTensor's
     first-call state; 50 to 150 MB on CPU, more with a CUDA build of torch) is not the model's."""
-    tiny = config.with_overrides([*WARM_UP_SHAPE, "data.seq_len=16", "train.compile=false"])
+    p = config.parallel
+    per_rank = p.pp_stages_per_rank if isinstance(p.pp_stages_per_rank, int) else 2
+    layers = f"model.n_layers={p.pp * per_rank if p.pp > 1 else 1}"  # a block for every pipeline stage
+    tiny = config.with_overrides([*WARM_UP_SHAPE, layers, "data.seq_len=16", "train.compile=false"])
     trainer = bench_trainer(tiny, rank, world_size, device)
-    trainer.train_step(rank_slice(synthetic_rows(tiny, tiny.train.global_batch_size), rank, world_size))
+    rows = synthetic_rows(tiny, tiny.train.global_batch_size)
+    trainer.train_step(rank_slice(rows, trainer.data_rank, trainer.layout.dp))
     del trainer
     gc.collect()
 

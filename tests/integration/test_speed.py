@@ -30,6 +30,15 @@ def test_compiled_blocks_give_the_same_losses_as_eager_on_two_ranks():
     assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
 
 
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"]], ids=["tp2", "pp2"])
+def test_the_benchmarks_feed_tp_peers_and_pipeline_stages_one_data_slice(layout):
+    """The benchmarks' ranks take their layout's data slice (DataSlicing): TP 2 and PP 2 on two
+    ranks train like one process, which they would not with a slice each."""
+    one = run_ranks(_config(), world_size=1, steps=3, threads=1)
+    two = run_ranks(_config(*layout), world_size=2, steps=3, threads=1)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FSDP's CPU offload moves GPU state: needs a GPU")
 def test_cpu_offload_gives_the_same_losses_as_the_plain_run():
     gpu = ["cluster.use_gpu=true", "train.precision=fp32"]
