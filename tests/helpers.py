@@ -71,6 +71,26 @@ def assert_close(a: dict[int, float], b: dict[int, float], steps) -> None:
         assert abs(a[step] - b[step]) / b[step] <= 1e-4, (step, a[step], b[step])
 
 
+def walk_layouts(run: list[str], legs: list[str], table: dict, leg_steps: int, run_dir, one: list[dict]) -> None:
+    """One training run through ``legs`` under torchrun, ``leg_steps`` steps each, each leg resuming
+    the previous one's checkpoint in ``run_dir``; ``table``: name -> (ranks, overrides, the layout
+    the run reports). Every step's loss is the 1-process run's (``one``: its records), and so is
+    each leg's last validation loss when the 1-process run validated there."""
+    one_val = val_losses(one)
+    for i, name in enumerate(legs):
+        nproc, layout, described = table[name]
+        stop = leg_steps * (i + 1)
+        records = torchrun_records(nproc, [*run, *layout, f"run.dir={run_dir}", f"train.stop_at_step={stop}"])
+        start = [r for r in records if r["kind"] == "start"][-1]
+        assert (start["step"], start["world_size"], start["layout"]) == (stop - leg_steps, nproc, described)
+        trained = records[records.index(start) :]
+        assert sorted(losses(trained)) == list(range(stop - leg_steps + 1, stop + 1)), name
+        assert_close(losses(trained), losses(one), losses(trained))
+        if stop in one_val:
+            assert stop in val_losses(trained), name
+            assert_close(val_losses(trained), one_val, [stop])
+
+
 def checkpoint_registered(run_dir) -> bool:
     """Whether Ray Train has registered a checkpoint of the run yet (so a failure now resumes from one)."""
     try:
