@@ -35,7 +35,7 @@ def forward_backward(
 
     def backward(rows: torch.Tensor) -> None:
         nonlocal total
-        with loss_context(model), sequence_parts(cp, model, rows[:, :-1], rows[:, 1:]) as (tokens, targets):
+        with loss_context(model), sequence_parts(cp, [model], rows[:, :-1], rows[:, 1:]) as (tokens, targets):
             loss = model(tokens, targets) / len(micro)  # mean cross-entropy, (B, T) or (B, T / cp) each
             if faults.NAN_FROM in os.environ:  # fault injection (tests): a diverging loss
                 loss = loss * faults.loss_scale(step + 1)

@@ -81,5 +81,5 @@ def parallel_model(
             model = Llama(args)
         return LaidOutModel(lay_out(model), None, cp)
     plan = plan_pipeline(config.parallel, accum, args.n_layers, compile)
-    pipeline = build_pipeline(args, plan, mesh, device, lay_out)
+    pipeline = build_pipeline(args, plan, mesh, device, lay_out, cp)
     return LaidOutModel(pipeline.model, pipeline, cp)

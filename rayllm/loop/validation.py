@@ -73,7 +73,7 @@ class Validator:
                 count += len(batch)
                 continue
             for rows_i in batch.split(t.micro_batch_size):
-                parts = sequence_parts(self.cp_mesh, model, rows_i[:, :-1], rows_i[:, 1:])
+                parts = sequence_parts(self.cp_mesh, [model], rows_i[:, :-1], rows_i[:, 1:])
                 with loss_context(model), parts as (tokens, targets):  # under CP: this rank's part's mean
                     total += plain(model(tokens, targets)).item() * len(rows_i)
                 count += len(rows_i)

@@ -19,7 +19,7 @@ public hook), so a CPU run, the tests included, trains under CP as a GPU run doe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -33,19 +33,21 @@ aten = torch.ops.aten
 
 @contextlib.contextmanager
 def sequence_parts(
-    mesh: DeviceMesh | None, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor
+    mesh: DeviceMesh | None, models: Sequence[nn.Module], tokens: torch.Tensor, targets: torch.Tensor
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Around one micro-batch's forward and backward: this rank's part of ``tokens`` and ``targets``,
-    (B, T) each, as (B, T / cp) tensors (head and tail chunks), with the model's rotary tables cut
-    alike and attention through the ring; as they are without a CP mesh."""
+    """Around one micro-batch's forward and backward (or a pipeline's whole step): this rank's part
+    of ``tokens`` and ``targets``, (B, T) each, as (B, T / cp) tensors (head and tail chunks), with
+    the rotary tables of ``models`` (the model, or this rank's pipeline stages) cut alike and
+    attention through the ring; as they are without a CP mesh."""
     if mesh is None:
         yield tokens, targets
         return
     tokens, targets = tokens.contiguous(), targets.contiguous()  # cut in place: not views of the batch
     if tokens.device.type == "cpu":
         enable_cpu_ring()
-    buffers = [tokens, targets, model.rope_cos, model.rope_sin]
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 0, 0], no_restore_buffers={tokens, targets}):
+    tables = [table for model in models for table in (model.rope_cos, model.rope_sin)]  # (T, hd / 2) each
+    buffers, seq_dims = [tokens, targets, *tables], [1, 1] + [0] * len(tables)
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, no_restore_buffers={tokens, targets}):
         yield tokens, targets
 
 

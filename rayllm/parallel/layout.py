@@ -121,11 +121,6 @@ def check_model_split(
             f"parallel.cp {cp} needs data.seq_len ({seq_len}) to be a multiple of 2 x cp x tp ({2 * cp * tp}): each "
             "rank takes a head and a tail chunk of every sequence (causal attention's load balance), split by tp"
         )
-    if cp > 1 and layout.pp > 1:
-        raise ConfigError(
-            "parallel.cp > 1 with parallel.pp > 1 is not supported yet (a pipeline's schedule does not run stages "
-            "under context parallelism); pick one of them"
-        )
     if tied and layout.pp > 1:
         raise ConfigError(
             "parallel.pp > 1 with model.tie_embeddings is not supported (the embedding and the output head live in "

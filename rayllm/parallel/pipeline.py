@@ -21,6 +21,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedu
 from torch.distributed.tensor import DTensor
 
 from rayllm.model import Llama, ModelArgs
+from rayllm.parallel.cp import sequence_parts
 from rayllm.parallel.pp import ONE_STAGE, PipelinePlan, keep_stage, split_stages
 from rayllm.parallel.tp import loss_context
 
@@ -52,6 +53,8 @@ class Pipeline:
     first: bool  # holds stage 0: it is fed the tokens
     last: bool  # holds the last stage: it is fed the targets and computes the loss
     group: dist.ProcessGroup  # one rank per stage: the loss and the gradient norm are summed over it
+    stages: list[nn.Module]  # this rank's stage models, in schedule order (their rotary tables)
+    cp: DeviceMesh | None  # parallel.cp: the ranks that split every sequence with this one
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch of this rank's rows, (B, T) each; the gradients
@@ -65,9 +68,10 @@ class Pipeline:
 
     def _run(self, tokens: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        inputs = (tokens,) if self.first else ()
-        target = targets if self.last else None
-        with loss_context(self.model):  # vocabulary-split logits under TP: loss_parallel
+        parts = sequence_parts(self.cp, self.stages, tokens, targets)  # under CP: (B, T / cp) each
+        with loss_context(self.model), parts as (tokens, targets):  # TP: loss_parallel over the vocabulary
+            inputs = (tokens,) if self.first else ()
+            target = targets if self.last else None
             if train:
                 self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
             else:
@@ -85,10 +89,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_pipeline(
-    args: ModelArgs, plan: PipelinePlan, mesh: DeviceMesh, device: torch.device, parallelize
+    args: ModelArgs,
+    plan: PipelinePlan,
+    mesh: DeviceMesh,
+    device: torch.device,
+    parallelize,
+    cp: DeviceMesh | None = None,
 ) -> Pipeline:
     """Collective: this rank's stages, each built on ``meta`` as a reduced plain Llama, then laid out
-    and materialised by ``parallelize(stage_model)`` (rayllm.parallel.apply's, on ``mesh``)."""
+    and materialised by ``parallelize(stage_model)`` (rayllm.parallel.apply's, on ``mesh``); under
+    context parallelism (``cp``) every step runs with the sequences split over its ranks."""
     pp_mesh = mesh["pp"]
     parts = split_stages(args, plan.n_stages, args.max_seq_len)
     indices = plan.stages_of(pp_mesh.get_local_rank())
@@ -114,6 +124,8 @@ def build_pipeline(
         first=0 in indices,
         last=plan.n_stages - 1 in indices,
         group=pp_mesh.get_group(),
+        stages=modules,
+        cp=cp,
     )
 
 

@@ -31,13 +31,13 @@ CP_MIN_SEQ_LEN = 32768
 def candidate_layouts(config, nodes: int, gpus_per_node: int) -> list[Layout]:
     """FSDP over every GPU, and HSDP with one shard group per node, each with TP 1, 2, 4 or 8 inside a
     node; on several nodes also pipelines of whole nodes per stage (pp dividing the nodes), each
-    stage laid out the same ways; without a pipeline and for sequences of CP_MIN_SEQ_LEN tokens or
-    more, context parallelism of 2, 4 or 8 beside TP inside a node."""
+    stage laid out the same ways; for sequences of CP_MIN_SEQ_LEN tokens or more, context
+    parallelism of 2, 4 or 8 beside TP inside a node, with or without a pipeline."""
     layouts = []
     pps = (p for p in range(1, nodes + 1) if nodes % p == 0)
     cps = (1, 2, 4, 8) if config.data.seq_len >= CP_MIN_SEQ_LEN else (1,)
     for tp, pp, cp in itertools.product((1, 2, 4, 8), pps, cps):
-        if gpus_per_node % (tp * cp) or (cp > 1 and pp > 1):
+        if gpus_per_node % (tp * cp):
             continue
         stage_nodes = nodes // pp
         options = [Layout(1, stage_nodes * gpus_per_node // (tp * cp), tp, pp, cp)]

@@ -330,16 +330,17 @@ def _communication(
         "hsdp_all_reduce": int(all_reduce),
         "tp_collectives": int(accum * tp_volume),
         "pp_send": 0,
-        "cp_ring": _cp_ring_bytes(s, layout, accum, tokens, e, ac),
+        "cp_ring": _cp_ring_bytes(s.layers, s, layout, accum, tokens, e, ac),
     }
 
 
-def _cp_ring_bytes(s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str) -> int:
+def _cp_ring_bytes(layers: int, s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str) -> int:
     """Context parallelism's ring: each rank's keys and values (``tokens`` of its part, KV heads split
-    by TP) go to the cp - 1 others in every block's attention forward, again with their gradients
-    in backward, and once more when full checkpointing recomputes the forward."""
+    by TP) go to the cp - 1 others in the attention forward of every block it holds (``layers``),
+    again with their gradients in backward, and once more when full checkpointing recomputes the
+    forward."""
     passes = 3 + (ac == "full")
-    return int(accum * s.layers * (layout.cp - 1) * tokens * 2 * s.kv / layout.tp * e * passes)
+    return int(accum * layers * (layout.cp - 1) * tokens * 2 * s.kv / layout.tp * e * passes)
 
 
 def _pipeline_communication(
@@ -348,7 +349,7 @@ def _pipeline_communication(
     """As _communication, for the busiest pipeline rank: its stages gathered once a step (they stay
     gathered) and reduce-scattered once (after the last micro-batch), its blocks' TP collectives,
     and the stages' sends."""
-    tp, shard, rep, r = layout.tp, layout.dp_shard, layout.dp_replicate, pipe.rank
+    tp, shard, rep, r = layout.tp, layout.dp_shard * layout.cp, layout.dp_replicate, pipe.rank
     ring = (shard - 1) / shard
     ends = 4 * (r.first + r.last)  # the embedding's and the head's TP collectives
     tp_volume = (TP_COLLECTIVES_PER_BLOCK[ac] * r.layers + ends) * tokens * s.d * e * (tp - 1) / tp
@@ -358,7 +359,7 @@ def _pipeline_communication(
         "hsdp_all_reduce": int(2 * (rep - 1) / rep * r.params / (tp * shard) * 4) if rep > 1 else 0,
         "tp_collectives": int(accum * tp_volume),
         "pp_send": pipe.p2p_bytes,
-        "cp_ring": 0,  # CP with a pipeline is refused (rayllm.parallel.layout.check_model_split)
+        "cp_ring": _cp_ring_bytes(r.layers, s, layout, accum, tokens, e, ac),
     }
 
 

@@ -114,8 +114,8 @@ def pipeline_terms(
 
 def _rank_terms(r: PipelineRank, s: Shape, layout: Layout, e: int, tokens: int, m: int, offload: bool):
     """(state parts, activations by mode, logits and loss, receive buffers) of pipeline rank ``r``."""
-    tp, shard = layout.tp, layout.dp_shard
-    fsdp = layout.dp > 1 or e != 4 or offload  # as rayllm.parallel.apply.needs_fsdp
+    tp, shard = layout.tp, layout.dp_shard * layout.cp  # FSDP shards over dp_shard x cp
+    fsdp = layout.dp * layout.cp > 1 or e != 4 or offload  # as rayllm.parallel.apply.needs_fsdp
     param_shard = 4 * math.ceil(r.params / (shard * tp)) * (0 if offload else 1)
     parts = {
         "param_shard": param_shard,

@@ -44,6 +44,11 @@ def test_auto_degrees_follow_the_world_and_its_nodes():
     assert resolve_layout(cp, 32, ranks_per_node=8, use_gpu=True) == Layout(4, 4, 1, cp=2)  # HSDP, CP in a node
     assert Layout(2, 2, 2, cp=2).describe() == "HSDP 2x2 x CP 2 x TP 2"
     assert [DataSlicing(8, ranks_per_slice=4).slice_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # And inside each pipeline stage: the stages and the CP ranks of a replica share its rows.
+    pp_cp = _config("parallel.pp=2", "parallel.cp=2", "cluster.num_workers=8", "train.micro_batch_size=1").parallel
+    assert resolve_layout(pp_cp, 8) == Layout(1, 2, 1, pp=2, cp=2)
+    assert Layout(1, 2, 1, pp=2, cp=2).describe() == "PP 2 x FSDP 2 x CP 2"
+    assert [DataSlicing(8, ranks_per_slice=2, stages=2).slice_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
@@ -96,10 +101,6 @@ def test_an_elastic_run_takes_only_world_sizes_the_layout_and_batch_allow():
         (
             ["parallel.cp=2", "data.seq_len=250"],
             r"parallel.cp 2 needs data.seq_len \(250\) to be a multiple of 2 x cp x tp \(4\)",
-        ),
-        (
-            ["parallel.cp=2", "parallel.pp=2", "cluster.num_workers=4"],
-            "parallel.cp > 1 with parallel.pp > 1 is not supported yet",
         ),
         (["parallel.cp=0"], "parallel.cp must be"),
         (["parallel.cp=2", "cluster.use_gpu=true", "train.precision=fp32"], "with train.precision fp32 on GPUs"),

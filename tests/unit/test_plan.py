@@ -225,3 +225,24 @@ def test_context_parallelism_splits_every_sequences_activations_and_adds_the_rin
     assert plan.parts["param_shard"] == 4 * -(-8_030_261_248 // 8)  # over dp_shard 1 x cp 8
     no_cp = plan_memory(config, gpu="h100-80gb", nodes=4, gpus_per_node=8, layout=Layout(4, 8, 1))
     assert no_cp.breakdown["logits_loss"] > 8 * plan.breakdown["logits_loss"] * 0.99 and not no_cp.fits
+
+
+def test_a_pipeline_under_context_parallelism_counts_each_ranks_part_and_its_own_blocks_ring():
+    """PP 2 x CP 8 of the 8B at 128k on 4 nodes (two nodes a stage, HSDP 2x1 inside it): a rank holds
+    16,384 positions of each micro-batch, its stage's state is sharded over dp_shard x cp, the
+    stages send those positions' hidden states, and its ring carries only its own blocks' keys and
+    values; by hand from the busiest pipeline rank."""
+    config = TrainConfig.from_yaml(
+        "configs/llama-8b-128k.yaml", overrides=["parallel.pp=2", "parallel.dp_replicate=2", "cluster.num_workers=32"]
+    )
+    layout = Layout(2, 1, 1, pp=2, cp=8)
+    plan = plan_memory(config, gpu="h100-80gb", nodes=4, gpus_per_node=8, layout=layout)
+    r, tokens, accum = plan.pipeline.rank, 131_072 // 8, 16  # 32 sequences over 2 replicas
+    assert plan.accum == accum and r.layers < 32
+    assert plan.parts["param_shard"] == 4 * -(-r.params // 8)  # dp_shard 1 x cp 8
+    assert plan.comm_bytes_per_step["cp_ring"] == accum * r.layers * 7 * tokens * 2 * 1024 * 2 * 4
+    assert plan.comm_bytes_per_step["pp_send"] == 2 * accum * tokens * 4096 * 2
+    whole = plan_memory(config, gpu="h100-80gb", nodes=4, gpus_per_node=8, layout=Layout(4, 1, 1, cp=8))
+    # Half the replicas run twice the micro-batches through half the blocks: the same ring per GPU.
+    assert r.layers * accum == 32 * whole.accum
+    assert plan.comm_bytes_per_step["cp_ring"] == whole.comm_bytes_per_step["cp_ring"]
