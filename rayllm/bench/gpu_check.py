@@ -10,7 +10,10 @@ what reaches a block under the bf16 policy (the RoPE tables must stay fp32), the
 training against fp32 over the first steps from the same weights, and the planner against the
 allocator's peak for a slice of Llama 3.1 8B (its width, vocabulary and 8,192-token sequences,
 two layers), and that slice's step with train.float8 against bf16 and with selective activation
-checkpointing (the planner's count of what it keeps). On CPU the GPU-only verdicts read "n/a": the code paths run, the numbers do not count.
+checkpointing (the planner's count of what it keeps), and that context parallelism's ring takes
+the attention kernel a bf16 grouped-query attention dispatches to here (one rank: the ring's
+code on this GPU's kernel, not its traffic). On CPU the GPU-only verdicts read "n/a": the code
+paths run, the numbers do not count.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rayllm.bench import gpu
 from rayllm.bench.common import bench_trainer, synthetic_rows
@@ -31,12 +38,14 @@ from rayllm.errors import RayllmError
 from rayllm.loop.setup import model_args
 from rayllm.model import Llama
 from rayllm.parallel.apply import parallelize
+from rayllm.parallel.cp import enable_cpu_ring
 from rayllm.parallel.layout import Layout
 
 MFU_GOAL = 0.5  # of the published dense bf16 peak, 1B preset (Mosaic publishes 41.8% for 1B)
 PLANNER_TOLERANCE = 0.15  # measured max_memory_reserved within 15% of the plan
 BF16_LOSS_TOLERANCE = 0.02  # relative, per step, over the first BF16_STEPS steps from the same weights
 BF16_STEPS = 3
+CP_TOLERANCE = 1e-2  # one rank's ring against the plain call, bf16 outputs and gradients
 SLICE_8B = ["model.dim=4096", "model.n_layers=2", "model.n_heads=32", "model.n_kv_heads=8", "model.ffn_hidden=14336"]
 SLICE_8B += ["model.vocab_size=128256", "model.rope_theta=500000.0", "model.tie_embeddings=false"]
 SLICE_8B += ["data.seq_len=8192", "train.micro_batch_size=1", "train.global_batch_size=2"]
@@ -75,6 +84,49 @@ def bf16_against_fp32(device: torch.device, tiny: bool) -> dict[str, list[float]
         losses[precision] = [trainer.train_step(rows)[0] for _ in range(BF16_STEPS)]
         del trainer
     return losses
+
+
+class _AttentionOps(TorchDispatchMode):
+    """The aten attention ops a region dispatches to."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            self.seen.append(str(func).removeprefix("aten."))
+        return func(*args, **(kwargs or {}))
+
+
+def cp_attention(device: torch.device, tiny: bool) -> dict[str, Any]:
+    """A bf16 grouped-query causal attention (the 8B's heads; the tiny model's on CPU) through
+    context parallelism's ring on a one-rank CP mesh, against the plain call: the kernel it
+    dispatched to, whether the ring has it, and the largest difference of output and gradients."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring  # what CP routes
+
+    if device.type == "cpu":
+        enable_cpu_ring()
+    heads, kv, seq, hd = (4, 2, 64, 16) if tiny else (32, 8, 4096, 128)
+    q = torch.randn(1, heads, seq, hd, device=device, dtype=torch.bfloat16)  # (B, H, T, hd)
+    k, v = (torch.randn(1, kv, seq, hd, device=device, dtype=torch.bfloat16) for _ in range(2))  # (B, KV, T, hd)
+
+    def attend(*qkv: torch.Tensor) -> list[torch.Tensor]:
+        qkv = [t.clone().requires_grad_() for t in qkv]
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+        return [out, *torch.autograd.grad(out.float().square().sum(), qkv)]
+
+    plain = attend(q, k, v)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("cp",))
+    positions = torch.arange(seq, device=device)  # context_parallel cuts at least one buffer
+    with context_parallel(mesh, buffers=[positions], buffer_seq_dims=[0]), _AttentionOps() as ops:
+        ringed = attend(q, k, v)
+    routed = {str(op).removeprefix("aten.") for op in ring.custom_ops}
+    return {
+        "ops": sorted(set(ops.seen)),
+        "routed": bool(ops.seen) and set(ops.seen) <= routed,
+        "max_difference": max((a.float() - b.float()).abs().max().item() for a, b in zip(ringed, plain, strict=True)),
+    }
 
 
 def slice_config(tiny: bool, float8: bool = False, checkpointing: str = "false") -> TrainConfig:
@@ -121,6 +173,7 @@ def judge(bench: dict[str, Any], own: dict[str, Any], on_gpu: bool) -> list[Verd
     gap = f"largest relative gap {max(gaps):.2e} over {len(gaps)} steps" if gaps else "did not run"
     verdicts.append(Verdict(f"bf16 loss within {BF16_LOSS_TOLERANCE:.0%} of fp32", "PASS" if ok else "FAIL", gap))
     verdicts.append(float8_verdict(own.get("slice_8b", {}), own.get("slice_8b_float8", {}), on_gpu))
+    verdicts.append(cp_verdict(own.get("cp_attention", {})))
     smoke = bench.get("mesh_smoke", {})
     bad = [name for name, m in smoke.items() if m["status"] != "ok"]
     verdicts.append(Verdict("every mesh's steps", "PASS" if smoke and not bad else "FAIL", ", ".join(bad) or "ok"))
@@ -142,6 +195,18 @@ def float8_verdict(bf16: dict[str, Any], float8: dict[str, Any], on_gpu: bool) -
     return Verdict(name, "PASS" if ok else "FAIL", f"largest gap {max(gaps):.2e}; x{speed:.2f} the bf16 tokens/s")
 
 
+def cp_verdict(cp: dict[str, Any]) -> Verdict:
+    """The ring took every attention op (forward and backward) and, on one rank, changed nothing
+    beyond bf16's rounding."""
+    name = "context parallelism's ring takes the bf16 GQA attention kernel"
+    if "error" in cp or not cp:
+        return Verdict(name, "FAIL", cp.get("error", "did not run"))
+    ok = cp["routed"] and cp["max_difference"] <= CP_TOLERANCE
+    return Verdict(
+        name, "PASS" if ok else "FAIL", f"{', '.join(cp['ops'])}; largest difference {cp['max_difference']:.1e}"
+    )
+
+
 def run_check(tiny: bool) -> dict[str, Any]:
     """bench gpu's run, then this module's own checks on a 1-rank group of their own."""
     bench = gpu.run(tiny)
@@ -152,6 +217,7 @@ def run_check(tiny: bool) -> dict[str, Any]:
             raise RayllmError("rayllm bench gpu --check runs on one GPU: launch it without torchrun")
         for name, measure in (
             ("rope_dtypes", lambda: rope_dtypes(device)),
+            ("cp_attention", lambda: cp_attention(device, tiny)),
             ("bf16_vs_fp32", lambda: bf16_against_fp32(device, tiny)),
             ("slice_8b", lambda: gpu.bench_step(slice_config(tiny), 0, 1, device, warmup=1, steps=2)),
             ("slice_8b_float8", lambda: float8_step(tiny, device)),

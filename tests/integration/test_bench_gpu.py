@@ -66,5 +66,6 @@ def test_the_prepared_gpu_check_runs_its_cpu_mode_with_every_item_named(tmp_path
     verdicts = {v["name"]: v["status"] for v in json.loads(out.read_text())["verdicts"]}
     assert verdicts["RoPE tables reach the blocks in fp32"] == "PASS"
     assert verdicts["bf16 loss within 2% of fp32"] == "PASS" and verdicts["every mesh's steps"] == "PASS"
+    assert verdicts["context parallelism's ring takes the bf16 GQA attention kernel"] == "PASS"  # the CPU kernel
     assert verdicts["compile and FSDP on NCCL"] == "n/a" and verdicts["MFU, 1B preset"] == "n/a"
     assert "[rayllm bench gpu --check]" in proc.stdout
