@@ -27,7 +27,7 @@ def test_a_rank_whose_compiler_fails_or_hangs_makes_every_rank_train_eager_with_
     if compiler == "hangs":
         cxx = str(tmp_path / "cxx")
         with open(cxx, "w") as f:
-            f.write("#!/bin/sh\nexec sleep 120\n")
+            f.write("#!/bin/sh\nexec sleep 120 </dev/null >/dev/null 2>&1\n")
         os.chmod(cxx, 0o755)
     base = [*quiet_run(overrides), "train.max_steps=3"]
     eager = losses(torchrun_records(1, [*base, "train.compile=false", f"run.dir={tmp_path / 'eager'}"]))
