@@ -346,10 +346,10 @@ def _cp_ring_bytes(layers: int, s: Shape, layout: Layout, accum: int, tokens: in
 def _pipeline_communication(
     s: Shape, layout: Layout, accum: int, tokens: int, e: int, ac: str, pipe: PipelineTerms
 ) -> dict[str, int]:
-    """As _communication, for the busiest pipeline rank: its stages gathered once a step (they stay
-    gathered) and reduce-scattered once (after the last micro-batch), its blocks' TP collectives,
-    and the stages' sends."""
-    tp, shard, rep, r = layout.tp, layout.dp_shard * layout.cp, layout.dp_replicate, pipe.rank
+    """As _communication, for the busiest pipeline rank (which sets the step): its stages gathered
+    once a step (they stay gathered) and reduce-scattered once (after the last micro-batch), its
+    blocks' TP collectives, and the stages' sends."""
+    tp, shard, rep, r = layout.tp, layout.dp_shard * layout.cp, layout.dp_replicate, pipe.busiest
     ring = (shard - 1) / shard
     ends = 4 * (r.first + r.last)  # the embedding's and the head's TP collectives
     tp_volume = (TP_COLLECTIVES_PER_BLOCK[ac] * r.layers + ends) * tokens * s.d * e * (tp - 1) / tp

@@ -47,7 +47,8 @@ class PipelineTerms:
 
     schedule: str
     stages_per_rank: int
-    rank: PipelineRank
+    rank: PipelineRank  # the heaviest in memory: the plan's bytes are its
+    busiest: PipelineRank  # the most compute (blocks, the head): the step's time and traffic are its
     parts: dict[str, int]  # param_shard, gathered, grad_shard, grad_unsharded, as planner._state_bytes
     activations_by_mode: dict[str, int]
     logits_loss: int
@@ -55,6 +56,7 @@ class PipelineTerms:
     bubble: float
     p2p_bytes: int  # sent per step by one rank: activations forward, their gradients backward
     max_flops_share: float  # the busiest rank's, which sets the step
+    rank_bytes: tuple[int, ...]  # every pipeline rank's counted bytes (state, activations, logits, buffers)
 
 
 def pipeline_ranks(
@@ -93,22 +95,27 @@ def pipeline_terms(
     ranks = pipeline_ranks(config, layout, v, microbatches, schedule)
     costs = schedule_costs(COSTED_AS.get(schedule, schedule), layout.pp, microbatches, v)
     per_rank = [_rank_terms(r, s, layout, e, tokens, microbatches, offload) for r in ranks]
-    heaviest = max(
-        range(len(ranks)), key=lambda i: sum(per_rank[i][0].values()) + per_rank[i][1][ac] + sum(per_rank[i][2:])
+    # Each rank's state (AdamW's two moments beside its parameter shard), held activations, logits, buffers.
+    rank_bytes = tuple(
+        sum(parts.values()) + 2 * parts["param_shard"] + by_mode[ac] + logits + buffers
+        for parts, by_mode, logits, buffers in per_rank
     )
+    heaviest = max(range(len(ranks)), key=rank_bytes.__getitem__)
     parts, by_mode, logits_loss, buffers = per_rank[heaviest]
     boundary = tokens * s.d * e / layout.tp  # one micro-batch's hidden states between two stages
     return PipelineTerms(
         schedule=schedule,
         stages_per_rank=v,
         rank=ranks[heaviest],
+        busiest=max(ranks, key=lambda r: r.flops_share),
         parts=parts,
         activations_by_mode=by_mode,
         logits_loss=logits_loss,
         buffers=buffers,
         bubble=costs.bubble,
         p2p_bytes=int(2 * microbatches * v * boundary),
-        max_flops_share=max(r.flops_share for r in ranks),
+        max_flops_share=max(r.flops_share for r in ranks),  # the busiest's
+        rank_bytes=rank_bytes,
     )
 
 
@@ -133,7 +140,12 @@ def _rank_terms(r: PipelineRank, s: Shape, layout: Layout, e: int, tokens: int, 
         "full": int(held * e * s.d * tokens / tp + per_block),
         "selective": int(held * selective_block_bytes_per_token(s, e, tp) * tokens + per_block),
     }
-    logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp))) if r.last else 0
+    logits_loss = 0
+    if r.last:  # one micro-batch's loss at its peak, as without a pipeline, and what the others hold
+        # Every other micro-batch the schedule holds keeps its logits (the stage's output, until its
+        # backward), the loss's fp32 log-softmax and the final norm's saved tensors (GPipe: all of them).
+        held = tokens * (s.vocab / tp * (e + 4) + norm_bytes_per_token(s, e, tp))
+        logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)) + (r.in_flight - 1) * held)
     boundary = tokens * s.d * e / tp
     buffers = int(m * boundary * (2 - r.first - r.last))  # inputs but on the first, gradients but on the last
     return parts, by_mode, logits_loss, buffers
