@@ -31,8 +31,8 @@ from rayllm.parallel.shape_counts import (
     Shape,
     block_bytes_per_token,
     flops_per_token,
+    loss_bytes_per_token,
     model_shape,
-    norm_bytes_per_token,
     selective_block_bytes_per_token,
 )
 
@@ -289,9 +289,7 @@ def _activation_bytes(s: Shape, e: int, tp: int, tokens: int) -> tuple[dict[str,
         "full": int(s.layers * e * s.d * tokens / tp + per_block),
         "selective": int(s.layers * selective_block_bytes_per_token(s, e, tp) * tokens + per_block),
     }
-    # Logits (micro, seq, vocab/tp): cross-entropy upcasts them to fp32 and backward holds the saved
-    # log-softmax, its gradient and the logits' gradient, 3 x 4 bytes each, at once; plus the final norm.
-    logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)))
+    logits_loss = int(tokens * loss_bytes_per_token(s, e, tp))  # logits (micro, seq, vocab / tp) and the loss
     return by_mode, logits_loss
 
 
@@ -373,7 +371,7 @@ def _seconds(
     mfu = ASSUMED_MFU * (1.0 if compiles(config.train.compile, True) else EAGER_SPEED)
     compute = flops_per_token(s, config.data.seq_len) * tokens / layout.tp / (g.bf16_dense_flops * mfu)
     if pipe is not None:
-        compute *= pipe.max_flops_share / (1 - pipe.bubble)
+        compute *= pipe.busiest.flops_share / (1 - pipe.bubble)
     fsdp_link = (
         g.intra_node_bytes_per_s if layout.dp_shard * layout.cp * layout.tp <= per_node else g.inter_node_bytes_per_s
     )

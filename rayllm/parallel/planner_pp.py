@@ -18,7 +18,8 @@ from rayllm.parallel.pp import StagePart, part_costs, schedule_costs, split_stag
 from rayllm.parallel.shape_counts import (
     Shape,
     block_bytes_per_token,
-    norm_bytes_per_token,
+    held_loss_bytes_per_token,
+    loss_bytes_per_token,
     selective_block_bytes_per_token,
 )
 
@@ -55,7 +56,6 @@ class PipelineTerms:
     buffers: int  # the stage's receive buffers: every micro-batch's input and its gradient
     bubble: float
     p2p_bytes: int  # sent per step by one rank: activations forward, their gradients backward
-    max_flops_share: float  # the busiest rank's, which sets the step
     rank_bytes: tuple[int, ...]  # every pipeline rank's counted bytes (state, activations, logits, buffers)
 
 
@@ -114,7 +114,6 @@ def pipeline_terms(
         buffers=buffers,
         bubble=costs.bubble,
         p2p_bytes=int(2 * microbatches * v * boundary),
-        max_flops_share=max(r.flops_share for r in ranks),  # the busiest's
         rank_bytes=rank_bytes,
     )
 
@@ -140,12 +139,10 @@ def _rank_terms(r: PipelineRank, s: Shape, layout: Layout, e: int, tokens: int, 
         "full": int(held * e * s.d * tokens / tp + per_block),
         "selective": int(held * selective_block_bytes_per_token(s, e, tp) * tokens + per_block),
     }
-    logits_loss = 0
-    if r.last:  # one micro-batch's loss at its peak, as without a pipeline, and what the others hold
-        # Every other micro-batch the schedule holds keeps its logits (the stage's output, until its
-        # backward), the loss's fp32 log-softmax and the final norm's saved tensors (GPipe: all of them).
-        held = tokens * (s.vocab / tp * (e + 4) + norm_bytes_per_token(s, e, tp))
-        logits_loss = int(tokens * (s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)) + (r.in_flight - 1) * held)
+    # The last rank: one micro-batch's loss at its peak, as without a pipeline, beside what every
+    # other micro-batch it holds keeps until its backward (GPipe: all of them).
+    loss = loss_bytes_per_token(s, e, tp) + (r.in_flight - 1) * held_loss_bytes_per_token(s, e, tp)
+    logits_loss = int(tokens * loss) if r.last else 0
     boundary = tokens * s.d * e / tp
     buffers = int(m * boundary * (2 - r.first - r.last))  # inputs but on the first, gradients but on the last
     return parts, by_mode, logits_loss, buffers

@@ -50,6 +50,19 @@ def norm_bytes_per_token(s: Shape, e: int, tp: int) -> float:
     return (4 * s.d + 4 + e * s.d) / tp + e * s.d
 
 
+def loss_bytes_per_token(s: Shape, e: int, tp: int) -> float:
+    """The loss's peak for one token: its logits (vocab / tp) upcast to fp32 for cross-entropy,
+    whose backward holds the saved log-softmax, its gradient and the logits' gradient at once,
+    3 x 4 bytes each; plus the final norm."""
+    return s.vocab / tp * 12 + norm_bytes_per_token(s, e, tp)
+
+
+def held_loss_bytes_per_token(s: Shape, e: int, tp: int) -> float:
+    """What a micro-batch waiting for its backward keeps of the loss, per token: its logits (a
+    pipeline stage's output, in compute dtype), the fp32 log-softmax and the final norm's tensors."""
+    return s.vocab / tp * (e + 4) + norm_bytes_per_token(s, e, tp)
+
+
 def block_bytes_per_token(s: Shape, e: int, tp: int) -> float:
     """What one block saves for backward, per token, in compute dtype ``e`` bytes: two norms; q and k
     after rotary, v, SDPA's output and its fp32 logsumexp (flash: no T x T matrix), wo's input; w1's

@@ -3,7 +3,7 @@ per rank in $PROBE_OUT.
 
     PROBE_OUT=DIR torchrun --nproc_per_node 2 tests/integration/pp_memory_probe.py SCHEDULE MICRO_BATCHES
 
-The Trainer is built for PP 2 on the CPU model of test_plan_measured.py, takes one step (AdamW's
+The Trainer is built for PP 2 on the planner's CPU check model (MODEL), takes one step (AdamW's
 state exists from then on), and its second step runs under PyTorch's memory profiler: the
 highest sum of live allocations during the step, over what the rank held before it, is the
 rank's step peak (resident memory is too coarse to tell the planner's terms apart).
@@ -23,7 +23,9 @@ from rayllm.bench.common import bench_trainer, synthetic_rows
 from rayllm.config import TrainConfig
 from rayllm.data.order import rank_slice
 
-CPU_MODEL = [
+# The planner's CPU check model (test_plan_measured.py): the test model scaled up so that model
+# state and activations, not the process's own ~250 MB, make the peak.
+MODEL = [
     "model.dim=512",
     "model.n_layers=8",
     "model.n_heads=8",
@@ -32,15 +34,15 @@ CPU_MODEL = [
     "data.seq_len=256",
     "train.micro_batch_size=4",
     "train.compile=false",
-    "cluster.num_workers=2",
-    "parallel.pp=2",
 ]
 
 
 def pipeline_config(schedule: str, microbatches: int) -> TrainConfig:
     """The CPU model in a pipeline of 2 stages, ``microbatches`` of 4 sequences a step."""
-    extra = [f"parallel.pp_schedule={schedule}", f"train.global_batch_size={4 * microbatches}"]
-    return TrainConfig.from_yaml("configs/tiny.yaml", [*CPU_MODEL, *extra])
+    pipeline = ["cluster.num_workers=2", "parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+    return TrainConfig.from_yaml(
+        "configs/tiny.yaml", [*MODEL, *pipeline, f"train.global_batch_size={4 * microbatches}"]
+    )
 
 
 def main() -> None:

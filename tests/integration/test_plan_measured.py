@@ -8,24 +8,14 @@ from pathlib import Path
 
 import pytest
 from helpers import torchrun_probe
+from pp_memory_probe import MODEL, pipeline_config
 
 from rayllm.config import TrainConfig
 from rayllm.parallel.planner import plan_memory
 
-# The CPU check's model: the test model scaled up so that model state and activations, not the
-# process's own ~250 MB, make the peak; 2 micro-batches a step, so gradients coexist with activations.
-CPU_MODEL = [
-    "model.dim=512",
-    "model.n_layers=8",
-    "model.n_heads=8",
-    "model.n_kv_heads=4",
-    "model.vocab_size=4096",
-    "data.seq_len=256",
-    "train.micro_batch_size=4",
-    "train.global_batch_size=8",
-    "cluster.num_workers=1",
-    "train.compile=false",
-]
+# One rank of the CPU model (pp_memory_probe.py's), 2 micro-batches a step, so gradients coexist
+# with activations.
+CPU_MODEL = [*MODEL, "train.global_batch_size=8", "cluster.num_workers=1"]
 
 
 def test_plan_agrees_with_measured_cpu_peak():
@@ -91,8 +81,6 @@ def test_each_pipeline_rank_holds_what_the_planner_counts_for_it(tmp_path, sched
     and AdamW's state) are the planner's count for that rank within 6%. GPipe holds every
     micro-batch's activations (and, on the last rank, their logits); Interleaved1F1B puts two
     stages on each rank and holds fewer."""
-    from pp_memory_probe import pipeline_config
-
     ranks = torchrun_probe(PIPELINE_PROBE, 2, tmp_path / "probe", schedule, "4")
     plan = plan_memory(pipeline_config(schedule, 4), gpu=None, nodes=1, gpus_per_node=2, framework_bytes=0)
     measured = [r["step_peak"] + r["held"] for r in ranks]
