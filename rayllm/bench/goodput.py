@@ -30,10 +30,11 @@ import random
 import signal
 import threading
 import time
-from collections import Counter
 
-from rayllm.bench.common import read_records, train_in_thread
+from rayllm.bench import goodput_report
+from rayllm.bench.common import train_in_thread
 from rayllm.bench.fault_proxy import FaultProxy
+from rayllm.bench.goodput_report import Fault, Report, RunFigures, figures
 from rayllm.bench.local_s3 import moto_server
 from rayllm.config import TrainConfig
 from rayllm.data.demo_corpus import ensure_demo_corpus, is_demo_path
@@ -82,45 +83,6 @@ def parse_faults(text: str | None, storage: str = "s3") -> tuple[str, ...]:
     if "storage" in faults and storage != "s3":
         raise ConfigError("--faults storage needs --storage s3: an outage cannot reach local disk")
     return faults
-
-
-@dataclasses.dataclass
-class Fault:
-    kind: str
-    at: float  # wall clock
-    step: int = 0  # the latest step logged before it (the driver stamps each record as it comes)
-    next_step_s: float | None = None  # to the next completed step
-    past_s: float | None = None  # to the first step beyond ``step``
-
-
-@dataclasses.dataclass
-class RunFigures:
-    wall_s: float
-    loss: float | None
-    steps: int
-    steps_repeated: int
-    attempts: int
-    ids: Counter
-
-
-@dataclasses.dataclass
-class Report:
-    undisturbed: RunFigures
-    faulted: RunFigures
-    faults: list[Fault]
-
-    @property
-    def ratio(self) -> float:
-        return self.undisturbed.wall_s / self.faulted.wall_s
-
-    @property
-    def exactly_once(self) -> bool:
-        return bool(self.undisturbed.ids) and self.undisturbed.ids == self.faulted.ids
-
-    @property
-    def loss_rel_diff(self) -> float:
-        a, b = self.undisturbed.loss, self.faulted.loss
-        return abs(a - b) / abs(a) if a and b is not None else float("nan")
 
 
 class SimulatedCluster:
@@ -294,43 +256,6 @@ class Injector:
         return "node"
 
 
-def committed_ids(config: TrainConfig) -> list[tuple[int, ...]]:
-    """Every sequence id that the run's committed checkpoints record as trained on (data.record_ids:
-    each stored checkpoint holds those trained since the one before)."""
-    import io
-    import posixpath
-
-    import numpy as np
-
-    from rayllm.checkpoint.store import CheckpointStore
-
-    store, ids = CheckpointStore(config.run.dir, config.storage), []
-    for step in store.complete_steps():
-        for path in store.fs.glob(posixpath.join(store.path(step), "consumed-rank*.npy")):
-            ids.extend(tuple(int(v) for v in row) for row in np.load(io.BytesIO(store.fs.cat_file(path))))
-    return ids
-
-
-def _figures(config: TrainConfig, wall_s: float, loss: float | None) -> RunFigures:
-    steps, repeated, highest = 0, 0, 0
-    for record in read_records(config.run.dir, "train", config.storage):
-        steps += 1
-        repeated += record["step"] <= highest
-        highest = max(highest, record["step"])
-    attempts = len(read_records(config.run.dir, "start", config.storage))
-    return RunFigures(wall_s, loss, steps, repeated, attempts, Counter(committed_ids(config)))
-
-
-def _time_faults(config: TrainConfig, faults: list[Fault]) -> None:
-    records = read_records(config.run.dir, "train", config.storage)
-    for fault in faults:
-        fault.step = max((r["step"] for r in records if r["time"] <= fault.at), default=0)
-        after = [r for r in records if r["time"] > fault.at]
-        fault.next_step_s = after[0]["time"] - fault.at if after else None
-        past = next((r for r in after if r["step"] > fault.step), None)
-        fault.past_s = past["time"] - fault.at if past else None
-
-
 def _timed_run(config: TrainConfig, injector: Injector | None) -> RunFigures:
     """The run in a thread; the faults from this, the main thread (Ray adds nodes only from it)."""
     started = time.time()
@@ -338,9 +263,10 @@ def _timed_run(config: TrainConfig, injector: Injector | None) -> RunFigures:
     if injector:
         injector.run(done)
     thread.join()
+    ended = time.time()
     if "error" in box:
         raise RayllmError(f"the {'faulted' if injector else 'undisturbed'} run failed: {box['error']}")
-    return _figures(config, time.time() - started, box["result"].loss)
+    return figures(config, started, ended, box["result"].loss, injector.delivered if injector else [])
 
 
 def run(config: TrainConfig, root: str, options: Options) -> Report:
@@ -359,38 +285,19 @@ def run(config: TrainConfig, root: str, options: Options) -> Report:
             faulted = _timed_run(faulted_config, injector)
         finally:
             cluster.shutdown()
-        _time_faults(faulted_config, injector.delivered)
-        report = Report(undisturbed, faulted, injector.delivered)
-    return report
+    return Report(undisturbed, faulted, injector.delivered)
 
 
 def format_report(report: Report, options: Options) -> str:
-    u, f = report.undisturbed, report.faulted
-    lines = [
+    header = [
         f"goodput: a fault every {options.every_s:.0f} s (seed {options.seed}, mix {', '.join(options.faults)}), "
         f"2 worker nodes of one training worker each, train.hang_timeout_s {options.hang_timeout_s:.0f} s",
         f"  storage: {_storage_line(options)}",
-        f"  effective training time ratio   {report.ratio:.3f}   ({u.wall_s:.0f} s undisturbed / {f.wall_s:.0f} s)",
-        f"  faults delivered                {len(report.faults)}   ({f.attempts} attempts)",
-        f"  steps trained twice             {f.steps_repeated}   (of {f.steps - f.steps_repeated})",
-        f"  every sequence exactly once     {'yes' if report.exactly_once else 'NO'}   "
-        f"({sum(u.ids.values())} sequences)",
-        f"  final loss                      {u.loss:.6f} undisturbed, {f.loss:.6f} faulted "
-        f"(relative difference {report.loss_rel_diff:.1e})",
-        "  fault             at step   -> next step   -> past its step",
     ]
-    for fault in report.faults:
-        lines.append(
-            f"  {fault.kind:<16}  {fault.step:>7}   {_seconds(fault.next_step_s):>10}   {_seconds(fault.past_s):>13}"
-        )
-    return "\n".join(lines)
+    return goodput_report.format_report(report, header)
 
 
 def _storage_line(options: Options) -> str:
     if options.storage == "local":
         return "local disk"
     return f"moto's S3 server on 127.0.0.1 behind a proxy, outages of {options.outage_s:.0f} s"
-
-
-def _seconds(value: float | None) -> str:
-    return f"{value:.1f} s" if value is not None else "-"

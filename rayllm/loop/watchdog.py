@@ -13,7 +13,8 @@ gets its own deadline, train.close_timeout_s), and then:
    ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU);
 2. posts where it is (running, in a collective, waiting for data) and how many collectives it
    has issued in each process group (torch's flight recorder keeps the count, for NCCL and gloo
-   alike) to the process group's key-value store, which answers while the collectives hang;
+   alike) to the process group's key-value store, which answers while the collectives hang
+   (before step 1's dumps, which object storage may slow);
 3. gathers the others' posts for GATHER_S: the ranks that issued fewer collectives in a group
    than its other members are the ones that did not reach the step's end. (On NCCL a collective
    returns at once and its rank waits later, in a read of a result, so where a rank's Python
@@ -48,7 +49,11 @@ from rayllm.io.storage import join, write_text
 
 HANG_EXIT = 75
 SLOW_PHASE_S = 1800.0  # before the first step, and during validation and checkpoints
-GATHER_S = 10.0
+# The live ranks' watchdogs fire within about a step of each other: they wait in the same step's
+# collectives, and their deadlines come from the same steps' times. Each posts before writing its
+# dumps, so the others' posts are in within a few seconds; a rank that never posts (stopped, or
+# hung outside Python) costs the whole window, which every hang's restart waits for.
+GATHER_S = 3.0
 FIRE_LIMIT_S = 120.0  # writing the dumps (object storage) and gathering may take this long, then the rank exits
 SAMPLE_EVERY_S = 0.01  # the loop thread's stack is sampled this often: its time in collectives
 RECENT_STEPS = 50
@@ -213,9 +218,10 @@ class HangWatchdog:
         state, place = where(frame) if frame is not None else ("running", "?")
         report = {"rank": self.rank, "node": self.node, "pid": os.getpid(), "step": self._step}
         report.update(state=state, place=place, **issued_collectives())
+        gather = ReportGather(_store(), report, self.rank, self.world_size, f"{STORE_PREFIX}/{self.attempt}")
         header = json.dumps(report)
         write_text(join(folder, f"rank-{self.rank}.txt"), f"{header}\n\n{_all_stacks()}{_nccl_trace()}", self._storage)
-        reports = self._gather(report)
+        reports = gather.reports()
         line = summary_line(reports, self.world_size, silent, deadline, folder)
         phases = self._phases[-1:]
         if phases:  # not a step: a phase with its own deadline ran past it
@@ -232,35 +238,40 @@ class HangWatchdog:
     def _storage(self):
         return self.config.storage
 
-    def _gather(self, report: dict) -> list[dict]:
-        """Every rank's report that arrives within GATHER_S, through the process group's store."""
-        return gather_reports(_store(), report, self.rank, self.world_size, f"{STORE_PREFIX}/{self.attempt}")
 
+class ReportGather:
+    """The ranks' hang reports, through the process group's store: this rank's is posted at once and
+    the others' are collected for ``within_s`` from then, in a thread. The store's server lives in
+    rank 0's process, which may be the stopped or hung one: a store call may then never return, so
+    the wait for the reports ends at the deadline regardless."""
 
-def gather_reports(store, report: dict, rank: int, world_size: int, prefix: str, within_s: float = GATHER_S):
-    """The ranks' reports that arrive within ``within_s``, this one's first. The store's server lives
-    in rank 0's process, which may be the stopped or hung one: a store call may then never return,
-    so the calls run in a thread of their own and the wait ends at the deadline regardless."""
-    found = {rank: report}
-    if store is None or world_size == 1:
-        return [report]
+    def __init__(self, store, report: dict, rank: int, world_size: int, prefix: str, within_s: float = GATHER_S):
+        self._found = {rank: report}
+        self._store, self._rank, self._world_size, self._prefix = store, rank, world_size, prefix
+        self._until = time.monotonic() + within_s
+        self._thread = None
+        if store is not None and world_size > 1:
+            self._thread = threading.Thread(target=self._collect, name="rayllm-hang-gather", daemon=True)
+            self._thread.start()
 
-    def collect() -> None:
+    def reports(self) -> list[dict]:
+        """Those in by the deadline, in rank order."""
+        if self._thread is not None:
+            self._thread.join(max(0.0, self._until - time.monotonic()) + 1.0)
+        found = dict(self._found)
+        return [found[r] for r in sorted(found)]
+
+    def _collect(self) -> None:
+        store, prefix = self._store, self._prefix
         try:
-            store.set(f"{prefix}/{rank}", json.dumps(report))
-            while len(found) < world_size and time.monotonic() < until:
-                for r in range(world_size):
-                    if r not in found and store.check([f"{prefix}/{r}"]):
-                        found[r] = json.loads(store.get(f"{prefix}/{r}"))
+            store.set(f"{prefix}/{self._rank}", json.dumps(self._found[self._rank]))
+            while len(self._found) < self._world_size and time.monotonic() < self._until:
+                for r in range(self._world_size):
+                    if r not in self._found and store.check([f"{prefix}/{r}"]):
+                        self._found[r] = json.loads(store.get(f"{prefix}/{r}"))
                 time.sleep(0.2)
         except Exception:  # the store's host is gone: say what this rank knows
             pass
-
-    until = time.monotonic() + within_s
-    thread = threading.Thread(target=collect, name="rayllm-hang-gather", daemon=True)
-    thread.start()
-    thread.join(within_s + 1.0)
-    return [found[r] for r in sorted(dict(found))]
 
 
 def issued_collectives() -> dict[str, dict]:

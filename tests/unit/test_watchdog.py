@@ -142,7 +142,7 @@ def test_the_hang_report_is_gathered_within_its_deadline_when_the_stores_host_is
 
     import torch.distributed as dist
 
-    from rayllm.loop.watchdog import gather_reports
+    from rayllm.loop.watchdog import ReportGather
     from rayllm.parallel.process_group import free_port
 
     port = free_port()
@@ -153,9 +153,31 @@ def test_the_hang_report_is_gathered_within_its_deadline_when_the_stores_host_is
         store.set("alive", "1")
         os.kill(host.pid, signal.SIGSTOP)
         started = time.monotonic()
-        reports = gather_reports(store, {"rank": 1, "step": 7}, 1, 2, "hang/1", within_s=1.0)
+        reports = ReportGather(store, {"rank": 1, "step": 7}, 1, 2, "hang/1", within_s=1.0).reports()
         assert reports == [{"rank": 1, "step": 7}]
         assert time.monotonic() - started < 5.0, "bounded by the gather's deadline, not the store's timeout"
     finally:
         os.kill(host.pid, signal.SIGKILL)
         host.wait(timeout=10)
+
+
+def test_the_hang_reports_of_live_ranks_are_gathered_as_soon_as_all_are_in():
+    """Each rank posts its report before writing its dumps; a gather ends when every rank's report is
+    in, not at its deadline, and names each rank once."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rayllm.loop.watchdog import ReportGather
+    from rayllm.parallel.process_group import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 3, True, timedelta(seconds=30), wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", port, 3, False, timedelta(seconds=30)) for _ in range(2)]
+    started = time.monotonic()
+    gathers = [
+        ReportGather(store, {"rank": rank}, rank, 3, "hang/2", within_s=20.0)
+        for rank, store in enumerate([server, *clients])
+    ]
+    assert [g.reports() for g in gathers] == [[{"rank": 0}, {"rank": 1}, {"rank": 2}]] * 3
+    assert time.monotonic() - started < 5.0, "ended when all were in, not at the 20 s deadline"
