@@ -9,12 +9,12 @@ GPU. Each rank's watchdog notices that no step ended within the deadline
 (the long phases, start-up, validation and checkpoints, get SLOW_PHASE_S; the end of the run
 gets its own deadline, train.close_timeout_s), and then:
 
-1. writes its loop thread's and every other thread's Python stack to
-   ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU);
-2. posts where it is (running, in a collective, waiting for data) and how many collectives it
+1. posts where it is (running, in a collective, waiting for data) and how many collectives it
    has issued in each process group (torch's flight recorder keeps the count, for NCCL and gloo
-   alike) to the process group's key-value store, which answers while the collectives hang
-   (before step 1's dumps, which object storage may slow);
+   alike) to the process group's key-value store, which answers while the collectives hang;
+2. writes its loop thread's and every other thread's Python stack to
+   ``run.dir/hangs/attempt-N/rank-R.txt`` (with the NCCL flight recorder's collectives on GPU),
+   after the post: object storage may be slow;
 3. gathers the others' posts for GATHER_S: the ranks that issued fewer collectives in a group
    than its other members are the ones that did not reach the step's end. (On NCCL a collective
    returns at once and its rank waits later, in a read of a result, so where a rank's Python
